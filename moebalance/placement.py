@@ -1,0 +1,215 @@
+"""Placement: which logical expert each physical slot holds, and its share of that expert's tokens.
+
+Shapes: L layers, S physical slots (grouped by device, in device order), E logical experts,
+X the most replicas any expert has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .topology import Topology
+
+# Shares of one expert must sum to 1 within this tolerance.
+SHARE_TOL = 1e-9
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Contents of every expert slot of every layer.
+
+    Attributes:
+        phy2log: [L, S] int64, logical expert held by each physical slot.
+        share: [L, S] float64, fraction of its expert's tokens each slot receives; the replicas of
+            one expert have shares >= 0 that sum to 1.
+        slot_device: [S] int64, device of each slot, non-decreasing (slots grouped by device).
+        num_experts: E, the number of logical experts per layer.
+    """
+
+    phy2log: np.ndarray
+    share: np.ndarray
+    slot_device: np.ndarray
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        phy2log = np.ascontiguousarray(self.phy2log, dtype=np.int64)
+        share = np.ascontiguousarray(self.share, dtype=np.float64)
+        slot_device = np.ascontiguousarray(self.slot_device, dtype=np.int64)
+        if phy2log.ndim != 2:
+            raise ValueError(f"phy2log must have shape [num_layers, num_slots], got {phy2log.shape}")
+        if share.shape != phy2log.shape:
+            raise ValueError(f"share must have the shape of phy2log {phy2log.shape}, got {share.shape}")
+        if slot_device.shape != (phy2log.shape[1],):
+            raise ValueError(
+                f"slot_device must have shape [num_slots]=({phy2log.shape[1]},), got {slot_device.shape}"
+            )
+        for name, arr in (("phy2log", phy2log), ("share", share), ("slot_device", slot_device)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "num_experts", int(self.num_experts))
+
+    # -- sizes and derived arrays -------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.slot_device[-1]) + 1 if self.num_slots else 0
+
+    @property
+    def replicas(self) -> np.ndarray:
+        """[L, E] int64: replicas of each logical expert."""
+        out = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        for layer in range(self.num_layers):
+            out[layer] = np.bincount(self.phy2log[layer], minlength=self.num_experts)
+        return out
+
+    def log2phy(self) -> np.ndarray:
+        """[L, E, X] int64: the physical slots of each logical expert in slot order, -1 padded."""
+        rep = self.replicas
+        x = max(int(rep.max()), 1)
+        out = np.full((self.num_layers, self.num_experts, x), -1, dtype=np.int64)
+        for layer in range(self.num_layers):
+            order = np.argsort(self.phy2log[layer], kind="stable")
+            experts = self.phy2log[layer, order]
+            starts = np.searchsorted(experts, np.arange(self.num_experts))
+            rank = np.arange(self.num_slots) - starts[experts]
+            out[layer, experts, rank] = order
+        return out
+
+    def device_loads(self, loads) -> np.ndarray:
+        """[L, G] float64: tokens each device receives under this placement for ``loads [L, E]``."""
+        from ._arrays import as_loads
+
+        w = as_loads(loads, "loads", self.num_experts)
+        if w.shape[0] != self.num_layers:
+            raise ValueError(
+                f"loads has {w.shape[0]} layers but the placement has {self.num_layers}; "
+                f"pass loads of shape [{self.num_layers}, {self.num_experts}]"
+            )
+        slot_load = np.take_along_axis(w, self.phy2log, axis=1) * self.share
+        out = np.zeros((self.num_layers, self.num_devices), dtype=np.float64)
+        for layer in range(self.num_layers):
+            out[layer] = np.bincount(self.slot_device, weights=slot_load[layer],
+                                     minlength=self.num_devices)
+        return out
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def validate(self, topology: Topology | None = None) -> "Placement":
+        """Raise ValueError naming the first broken invariant (DESIGN invariant 1); return self."""
+        L, S, E = self.num_layers, self.num_slots, self.num_experts
+        if E < 1:
+            raise ValueError(f"num_experts must be >= 1, got {E}")
+        if S < E:
+            raise ValueError(f"placement has {S} slots for {E} experts; every expert needs a slot")
+        if np.any(np.diff(self.slot_device) < 0) or (S and self.slot_device[0] != 0) or np.any(
+            np.diff(self.slot_device) > 1
+        ):
+            raise ValueError("slot_device must number devices 0, 1, ... in non-decreasing slot order")
+        if topology is not None:
+            if topology.num_slots != S or not np.array_equal(topology.slot_device, self.slot_device):
+                raise ValueError(
+                    f"placement slots ({S}, devices {self.num_devices}) do not match the topology "
+                    f"({topology.num_slots} slots on {topology.num_devices} devices); plan for this "
+                    f"topology"
+                )
+        if np.any(self.phy2log < 0) or np.any(self.phy2log >= E):
+            layer, slot = np.argwhere((self.phy2log < 0) | (self.phy2log >= E))[0]
+            raise ValueError(
+                f"phy2log[{layer}, {slot}] = {self.phy2log[layer, slot]} is not an expert in [0, {E})"
+            )
+        rep = self.replicas
+        if np.any(rep == 0):
+            layer, e = np.argwhere(rep == 0)[0]
+            raise ValueError(f"expert {e} of layer {layer} has no replica")
+        if not np.all(np.isfinite(self.share)) or np.any(self.share < 0):
+            layer, slot = np.argwhere(~(self.share >= 0) | ~np.isfinite(self.share))[0]
+            raise ValueError(f"share[{layer}, {slot}] = {self.share[layer, slot]} must be >= 0")
+        for layer in range(L):
+            sums = np.bincount(self.phy2log[layer], weights=self.share[layer], minlength=E)
+            bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
+            if bad.size:
+                raise ValueError(
+                    f"shares of expert {bad[0]} in layer {layer} sum to {sums[bad[0]]!r}, not 1"
+                )
+            key = self.slot_device * E + self.phy2log[layer]
+            uniq, counts = np.unique(key, return_counts=True)
+            if np.any(counts > 1):
+                k = uniq[counts > 1][0]
+                raise ValueError(
+                    f"device {k // E} holds expert {k % E} twice in layer {layer}; a device may hold "
+                    f"at most one replica of an expert"
+                )
+        return self
+
+    # -- migration ------------------------------------------------------------------------------
+
+    def moves_per_layer(self, previous: "Placement") -> np.ndarray:
+        """[L] int64: expert copies each layer must receive to turn ``previous`` into this placement.
+
+        Slots inside one device relabel for free, so a device only receives the experts it now
+        holds and did not hold before.
+        """
+        if not isinstance(previous, Placement):
+            raise TypeError(f"previous must be a Placement, got {type(previous).__name__}")
+        if (previous.phy2log.shape != self.phy2log.shape or previous.num_experts != self.num_experts
+                or not np.array_equal(previous.slot_device, self.slot_device)):
+            raise ValueError(
+                f"previous placement has shape {previous.phy2log.shape} with {previous.num_experts} "
+                f"experts; this one {self.phy2log.shape} with {self.num_experts}: moves are only "
+                f"defined between placements of the same layers, slots and devices"
+            )
+        E, G = self.num_experts, self.num_devices
+        out = np.zeros(self.num_layers, dtype=np.int64)
+        for layer in range(self.num_layers):
+            new = np.zeros(G * E, dtype=bool)
+            old = np.zeros(G * E, dtype=bool)
+            new[self.slot_device * E + self.phy2log[layer]] = True
+            old[previous.slot_device * E + previous.phy2log[layer]] = True
+            out[layer] = int(np.count_nonzero(new & ~old))
+        return out
+
+    def moves_from(self, previous: "Placement | None") -> int:
+        """Expert copies to transfer to reach this placement from ``previous`` (all of S*L if None)."""
+        if previous is None:
+            return self.num_layers * self.num_slots
+        return int(self.moves_per_layer(previous).sum())
+
+    # -- persistence ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write to ``path`` as a numpy ``.npz`` archive (the suffix is added if missing)."""
+        np.savez(path, phy2log=self.phy2log, share=self.share, slot_device=self.slot_device,
+                 num_experts=np.int64(self.num_experts),
+                 format=np.array(json.dumps({"kind": "moebalance.Placement", "version": 1})))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Placement":
+        with np.load(path, allow_pickle=False) as data:
+            if "phy2log" not in data or "share" not in data:
+                raise ValueError(f"{path} is not a saved moebalance Placement")
+            return cls(phy2log=data["phy2log"], share=data["share"],
+                       slot_device=data["slot_device"], num_experts=int(data["num_experts"]))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Placement) and self.num_experts == other.num_experts
+                and np.array_equal(self.phy2log, other.phy2log)
+                and np.array_equal(self.share, other.share)
+                and np.array_equal(self.slot_device, other.slot_device))
+
+    __hash__ = None  # mutable-free but array-valued: compare, don't hash
+
+    def __repr__(self) -> str:
+        return (f"Placement(num_layers={self.num_layers}, num_slots={self.num_slots}, "
+                f"num_devices={self.num_devices}, num_experts={self.num_experts})")

@@ -1,0 +1,147 @@
+"""Devices and the cluster they form: speed, expert slots and node of every device.
+
+G devices, S = sum of their slots. Slots are numbered device by device in device order, so device
+``g`` owns slots ``slot_offsets[g] : slot_offsets[g + 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator as the planner sees it.
+
+    Args:
+        speed: relative tokens per second its experts push through (> 0; only ratios matter).
+        slots: expert replicas of one MoE layer that fit in its memory (>= 1).
+        node: the host it sits on; replicas on one node talk over the fast local links.
+    """
+
+    speed: float = 1.0
+    slots: int = 1
+    node: int = 0
+
+    def __post_init__(self) -> None:
+        speed = float(self.speed)
+        if not np.isfinite(speed) or speed <= 0:
+            raise ValueError(f"Device(speed=...) must be a finite number > 0, got {self.speed!r}")
+        if isinstance(self.slots, bool) or int(self.slots) != self.slots or self.slots < 1:
+            raise ValueError(f"Device(slots=...) must be an integer >= 1, got {self.slots!r}")
+        if isinstance(self.node, bool) or int(self.node) != self.node or self.node < 0:
+            raise ValueError(f"Device(node=...) must be an integer >= 0, got {self.node!r}")
+        object.__setattr__(self, "speed", speed)
+        object.__setattr__(self, "slots", int(self.slots))
+        object.__setattr__(self, "node", int(self.node))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The devices of one expert-parallel group, in rank order.
+
+    Array views (read-only numpy):
+        speed [G] float64, slots [G] int64, node [G] int64,
+        slot_device [S] int64 (device of each slot), slot_offsets [G+1] int64.
+    """
+
+    devices: tuple[Device, ...]
+    speed: np.ndarray = field(init=False, repr=False, compare=False)
+    slots: np.ndarray = field(init=False, repr=False, compare=False)
+    node: np.ndarray = field(init=False, repr=False, compare=False)
+    slot_device: np.ndarray = field(init=False, repr=False, compare=False)
+    slot_offsets: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __init__(self, devices: Sequence[Device]) -> None:
+        devices = tuple(devices)
+        if len(devices) == 0:
+            raise ValueError("Topology(devices=...) needs at least one Device")
+        for i, d in enumerate(devices):
+            if not isinstance(d, Device):
+                raise TypeError(
+                    f"Topology(devices=...)[{i}] must be a moebalance.Device, got {type(d).__name__}"
+                )
+        object.__setattr__(self, "devices", devices)
+        speed = np.array([d.speed for d in devices], dtype=np.float64)
+        slots = np.array([d.slots for d in devices], dtype=np.int64)
+        node = np.array([d.node for d in devices], dtype=np.int64)
+        offsets = np.zeros(len(devices) + 1, dtype=np.int64)
+        np.cumsum(slots, out=offsets[1:])
+        slot_device = np.repeat(np.arange(len(devices), dtype=np.int64), slots)
+        for name, arr in (("speed", speed), ("slots", slots), ("node", node),
+                          ("slot_offsets", offsets), ("slot_device", slot_device)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def uniform(cls, num_devices: int, slots_per_device: int, devices_per_node: int | None = None,
+                speed: float = 1.0) -> "Topology":
+        """``num_devices`` identical devices, ``devices_per_node`` to a node (default: one node)."""
+        if isinstance(num_devices, bool) or int(num_devices) != num_devices or num_devices < 1:
+            raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
+        if devices_per_node is None:
+            devices_per_node = int(num_devices)
+        if (isinstance(devices_per_node, bool) or int(devices_per_node) != devices_per_node
+                or devices_per_node < 1):
+            raise ValueError(f"devices_per_node must be an integer >= 1, got {devices_per_node!r}")
+        return cls([Device(speed=speed, slots=slots_per_device, node=g // int(devices_per_node))
+                    for g in range(int(num_devices))])
+
+    @classmethod
+    def from_arrays(cls, speed, slots, node=None) -> "Topology":
+        """Build from per-device arrays ``speed [G]``, ``slots [G]`` and optional ``node [G]``."""
+        speed = np.asarray(speed, dtype=np.float64).reshape(-1)
+        slots = np.asarray(slots).reshape(-1)
+        node = np.zeros(len(speed), dtype=np.int64) if node is None else np.asarray(node).reshape(-1)
+        if not (len(speed) == len(slots) == len(node)):
+            raise ValueError(
+                f"speed, slots and node must have one entry per device; got lengths "
+                f"{len(speed)}, {len(slots)}, {len(node)}"
+            )
+        return cls([Device(speed=float(s), slots=int(k), node=int(n))
+                    for s, k, n in zip(speed, slots, node)])
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Topology":
+        return cls.from_arrays(data["speed"], data["slots"], data.get("node"))
+
+    def to_dict(self) -> dict:
+        return {"speed": self.speed.tolist(), "slots": self.slots.tolist(), "node": self.node.tolist()}
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_offsets[-1])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(np.unique(self.node).size)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return bool(np.all(self.speed == self.speed[0]) and np.all(self.slots == self.slots[0]))
+
+    def device_slots(self, device: int) -> range:
+        """The slot indices owned by ``device``."""
+        return range(int(self.slot_offsets[device]), int(self.slot_offsets[device + 1]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self.devices == other.devices
+
+    def __hash__(self) -> int:
+        return hash(self.devices)
+
+    def __repr__(self) -> str:
+        return (f"Topology(num_devices={self.num_devices}, num_slots={self.num_slots}, "
+                f"num_nodes={self.num_nodes}, speeds={sorted(set(self.speed.tolist()))}, "
+                f"slots={sorted(set(self.slots.tolist()))})")
