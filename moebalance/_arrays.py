@@ -11,7 +11,12 @@ def to_numpy(x, name: str) -> np.ndarray:
         return x
     module = type(x).__module__
     if module.startswith("torch"):
-        return x.detach().to("cpu").numpy()
+        import torch
+
+        t = x.detach().to("cpu")
+        if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32, torch.float64):
+            t = t.to(torch.float32)  # bfloat16 / float8 have no numpy dtype; float32 holds them exactly
+        return t.numpy()
     if module.startswith("cupy"):
         return x.get()
     try:

@@ -51,9 +51,14 @@ def _check(part: str, name: str) -> str:
 
 def backend(part: str, device_type: str = "cpu") -> str:
     """The backend ``part`` uses for data on ``device_type`` ("cpu" or "cuda")."""
-    forced = _forced.get(part) or os.environ.get(_ENV.get(part, ""), "") or None
-    if forced:
-        return _check(part, forced)
+    if part in _forced and not (_forced[part] == "cuda" and device_type != "cuda"):
+        return _forced[part]
+    env = os.environ.get(_ENV.get(part, ""), "")
+    if env:
+        if env not in _CHOICES[part]:
+            raise ValueError(f"{_ENV[part]}={env!r} is not a {part} backend: set it to one of "
+                             f"{list(_CHOICES[part])} or unset it")
+        return env
     if part == "planner":
         return "numba" if has_numba() else "numpy"
     if part == "dispatch":
@@ -65,8 +70,9 @@ def backend(part: str, device_type: str = "cpu") -> str:
 
 def force_backend(part: str, name: str | None) -> None:
     """Force ``part`` to ``name`` (None restores the automatic choice)."""
+    if part not in _CHOICES:
+        raise ValueError(f"part must be one of {sorted(_CHOICES)}, got {part!r}")
     if name is None:
-        _check(part, _CHOICES[part][0])
         _forced.pop(part, None)
     else:
         _forced[part] = _check(part, name)

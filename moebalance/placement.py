@@ -7,6 +7,7 @@ X the most replicas any expert has.
 from __future__ import annotations
 
 import json
+import operator
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,18 @@ from .topology import Topology
 
 # Shares of one expert must sum to 1 within this tolerance.
 SHARE_TOL = 1e-9
+
+
+def _int_array(x, name: str) -> np.ndarray:
+    """A C-contiguous int64 copy of ``x``; whole-valued floats are accepted, fractions are not."""
+    arr = np.array(x)
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
+                                     or np.issubdtype(arr.dtype, np.floating)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+        raise ValueError(f"{name} must hold whole numbers (expert and device ids), got {arr.dtype} "
+                         f"values with a fractional part")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,9 +49,10 @@ class Placement:
     num_experts: int
 
     def __post_init__(self) -> None:
-        phy2log = np.ascontiguousarray(self.phy2log, dtype=np.int64)
-        share = np.ascontiguousarray(self.share, dtype=np.float64)
-        slot_device = np.ascontiguousarray(self.slot_device, dtype=np.int64)
+        phy2log = _int_array(self.phy2log, "phy2log")
+        # np.array copies: the placement must not share memory with the caller's arrays.
+        share = np.array(self.share, dtype=np.float64)
+        slot_device = _int_array(self.slot_device, "slot_device")
         if phy2log.ndim != 2:
             raise ValueError(f"phy2log must have shape [num_layers, num_slots], got {phy2log.shape}")
         if share.shape != phy2log.shape:
@@ -50,7 +64,11 @@ class Placement:
         for name, arr in (("phy2log", phy2log), ("share", share), ("slot_device", slot_device)):
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
-        object.__setattr__(self, "num_experts", int(self.num_experts))
+        try:
+            num_experts = operator.index(self.num_experts)
+        except TypeError:
+            raise TypeError(f"num_experts must be an integer, got {self.num_experts!r}") from None
+        object.__setattr__(self, "num_experts", num_experts)
 
     # -- sizes and derived arrays -------------------------------------------------------------
 
@@ -77,7 +95,7 @@ class Placement:
     def log2phy(self) -> np.ndarray:
         """[L, E, X] int64: the physical slots of each logical expert in slot order, -1 padded."""
         rep = self.replicas
-        x = max(int(rep.max()), 1)
+        x = max(int(rep.max(initial=0)), 1)
         out = np.full((self.num_layers, self.num_experts, x), -1, dtype=np.int64)
         for layer in range(self.num_layers):
             order = np.argsort(self.phy2log[layer], kind="stable")
@@ -141,7 +159,7 @@ class Placement:
             bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
             if bad.size:
                 raise ValueError(
-                    f"shares of expert {bad[0]} in layer {layer} sum to {sums[bad[0]]!r}, not 1"
+                    f"shares of expert {bad[0]} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1"
                 )
             key = self.slot_device * E + self.phy2log[layer]
             uniq, counts = np.unique(key, return_counts=True)
@@ -196,6 +214,10 @@ class Placement:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Placement":
+        path = os.fspath(path)
+        # save() appends .npz to a bare path; find the file under the name save() was given.
+        if not os.path.exists(path) and os.path.exists(path + ".npz"):
+            path += ".npz"
         with np.load(path, allow_pickle=False) as data:
             if "phy2log" not in data or "share" not in data:
                 raise ValueError(f"{path} is not a saved moebalance Placement")

@@ -6,10 +6,19 @@ G devices, S = sum of their slots. Slots are numbered device by device in device
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+
+
+def _is_whole(x) -> bool:
+    """True for an integer value (int, numpy integer, or a float such as 4.0); False for bools,
+    NaN, inf, fractions and non-numbers."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        return False
+    return bool(np.isfinite(x)) and float(x).is_integer()
 
 
 @dataclass(frozen=True)
@@ -30,9 +39,9 @@ class Device:
         speed = float(self.speed)
         if not np.isfinite(speed) or speed <= 0:
             raise ValueError(f"Device(speed=...) must be a finite number > 0, got {self.speed!r}")
-        if isinstance(self.slots, bool) or int(self.slots) != self.slots or self.slots < 1:
+        if not _is_whole(self.slots) or self.slots < 1:
             raise ValueError(f"Device(slots=...) must be an integer >= 1, got {self.slots!r}")
-        if isinstance(self.node, bool) or int(self.node) != self.node or self.node < 0:
+        if not _is_whole(self.node) or self.node < 0:
             raise ValueError(f"Device(node=...) must be an integer >= 0, got {self.node!r}")
         object.__setattr__(self, "speed", speed)
         object.__setattr__(self, "slots", int(self.slots))
@@ -103,7 +112,7 @@ class Topology:
                 f"speed, slots and node must have one entry per device; got lengths "
                 f"{len(speed)}, {len(slots)}, {len(node)}"
             )
-        return cls([Device(speed=float(s), slots=int(k), node=int(n))
+        return cls([Device(speed=float(s), slots=k.item(), node=n.item())
                     for s, k, n in zip(speed, slots, node)])
 
     @classmethod

@@ -1,0 +1,130 @@
+"""plan(): replica counts, slot assignment and token shares for every MoE layer at once.
+
+The algorithm lives in :mod:`moebalance.planner.algorithm` (plain Python, the reference) and
+runs compiled by Numba when it is available (:func:`moebalance.backends`, part ``planner``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._arrays import as_loads
+from ..backends import backend
+from ..placement import Placement
+from ..topology import Topology
+from . import _jit, algorithm
+
+# With a previous placement, moves go to a layer while its hottest device is more than this
+# fraction above what a fresh plan reaches: moves are only spent where they buy real balance.
+DEFAULT_TOLERANCE = 0.005
+# Without a move budget, a layer that repair cannot bring within this fraction of a fresh plan
+# takes the fresh plan, although that moves nearly all of its slots.
+REBUILD_GAIN = 0.02
+# Improving moves a fresh plan makes per layer when the layer is small enough to search
+# exhaustively (slots x experts <= algorithm.EXHAUSTIVE_SIZE).
+SMALL_LAYER_MOVES = 16
+
+
+def _kernels(name: str | None = None):
+    name = name or backend("planner")
+    return _jit.compiled() if name == "numba" else _jit.interpreted()
+
+
+def plan(loads, topology: Topology, previous: Placement | None = None,
+         max_moves: int | None = None, *, tolerance: float = DEFAULT_TOLERANCE,
+         polish: int = 0, backend: str | None = None) -> Placement:
+    """Plan expert replicas, their devices and their token shares for every layer.
+
+    Args:
+        loads: [L, E] (or [E]) predicted tokens per logical expert; numpy, torch (CPU or CUDA)
+            or cupy; finite and >= 0.
+        topology: the devices (speed, slots, node); S = topology.num_slots >= E.
+        previous: the placement in service now. Experts stay where they are unless moving them
+            buys real balance; ``previous`` is not modified.
+        max_moves: at most this many expert copies in total over all layers (needs
+            ``previous``); None: no limit.
+        tolerance: with ``previous``, a layer is left alone while its imbalance is within
+            ``tolerance`` of what a fresh plan reaches (relative, 0.005 = 0.5%); above that,
+            single moves repair it, worst layer first. Without ``max_moves``, a layer that
+            repair leaves more than 2% above the fresh plan is re-planned from scratch.
+        polish: extra improving moves per layer for a fresh plan of a large layer. Each costs
+            about one share re-balance (16 take 320 slots x 256 experts from ~1.012 to ~1.006
+            imbalance at ~10x the plan time); 0 keeps planning in milliseconds.
+        backend: "numba" or "numpy" to force an implementation (default: automatic).
+
+    Returns:
+        A validated :class:`Placement`; the same inputs give the same placement in any process.
+    """
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    w = as_loads(loads, "loads")
+    L, E = w.shape
+    S, G = topology.num_slots, topology.num_devices
+    if S < E:
+        raise ValueError(
+            f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "
+            f"devices or slots per device (slots >= num_experts)"
+        )
+    if int(topology.slots.max()) > E:
+        g = int(np.argmax(topology.slots))
+        raise ValueError(
+            f"device {g} has {int(topology.slots[g])} slots but there are only {E} experts and a "
+            f"device holds at most one replica of each; give it at most {E} slots"
+        )
+    if previous is not None:
+        if not isinstance(previous, Placement):
+            raise TypeError(f"previous must be a moebalance.Placement or None, got "
+                            f"{type(previous).__name__}")
+        if previous.phy2log.shape != (L, S) or previous.num_experts != E:
+            raise ValueError(
+                f"previous placement has shape {previous.phy2log.shape} for {previous.num_experts} "
+                f"experts, but loads and topology need [{L}, {S}] for {E} experts; pass the "
+                f"placement planned for this model and topology, or previous=None"
+            )
+        previous.validate(topology)
+    if max_moves is not None:
+        if isinstance(max_moves, bool) or int(max_moves) != max_moves or max_moves < 0:
+            raise ValueError(f"max_moves must be an integer >= 0 or None, got {max_moves!r}")
+        if previous is None:
+            raise ValueError("max_moves bounds moves away from a previous placement: pass "
+                             "previous=, or drop max_moves for a first placement")
+    if not (0 <= float(tolerance) < 1):
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    if isinstance(polish, bool) or int(polish) != polish or polish < 0:
+        raise ValueError(f"polish must be an integer >= 0, got {polish!r}")
+    if backend is not None and backend not in ("numba", "numpy"):
+        raise ValueError(f"backend must be 'numba', 'numpy' or None, got {backend!r}")
+
+    k = _kernels(backend)
+    args = (topology.speed, topology.slots, topology.node, topology.slot_offsets,
+            topology.slot_device)
+    phy2log, share = k.plan_fresh(w, *args, SMALL_LAYER_MOVES, int(polish), algorithm.MAX_SWEEPS)
+    if previous is not None:
+        ideal = w.sum(axis=1) / topology.speed.sum()
+        fresh_time = _max_time(w, phy2log, share, topology)
+        target = np.maximum(fresh_time, ideal) * (1.0 + float(tolerance))
+        budget = -1 if max_moves is None else int(max_moves)
+        kept_p, kept_s, _ = k.plan_repair(
+            w, topology.speed, topology.slot_offsets, topology.slot_device,
+            previous.phy2log.copy(), previous.share.copy(), target, budget, algorithm.MAX_SWEEPS)
+        if max_moves is None:
+            kept_time = _max_time(w, kept_p, kept_s, topology)
+            worse = kept_time > np.maximum(fresh_time, ideal) * (1.0 + REBUILD_GAIN)
+            kept_p[worse] = phy2log[worse]
+            kept_s[worse] = share[worse]
+        phy2log, share = kept_p, kept_s
+    return Placement(phy2log=phy2log, share=share, slot_device=topology.slot_device,
+                     num_experts=E).validate(topology)
+
+
+def _max_time(w, phy2log, share, topology: Topology) -> np.ndarray:
+    """[L] hottest device time of each layer."""
+    slot_load = np.take_along_axis(w, phy2log, axis=1) * share
+    G = topology.num_devices
+    loads = np.zeros((w.shape[0], G))
+    for layer in range(w.shape[0]):
+        loads[layer] = np.bincount(topology.slot_device, weights=slot_load[layer], minlength=G)
+    return (loads / topology.speed).max(axis=1)
+
+
+__all__ = ["plan"]

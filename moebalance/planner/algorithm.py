@@ -1,0 +1,716 @@
+"""The planning algorithm, one MoE layer at a time, written once for both executions.
+
+Every function here is a :func:`kernel`: plain Python over numpy arrays in the subset Numba
+compiles. Run as it is, it is the reference; :func:`moebalance.planner._jit.compiled` gives the
+same functions compiled. Nothing here validates: :func:`moebalance.plan` has checked the inputs.
+
+The method, per layer (E experts with loads ``w``, G devices with ``speed``/``slots``):
+
+1. ``replica_counts``: every slot holds a replica, so hand the S - E spare slots, one at a time,
+   to the expert with the largest load per replica (at most one replica per device).
+2. ``pack_replicas``: replicas, heaviest first, each to the device that would finish earliest
+   (``(load + piece) / speed``) among those with a free slot and no replica of that expert yet;
+   ties prefer the node of the expert's first replica (keeps its all-to-all traffic local).
+3. ``balance_shares``: replicated experts are valves: their token shares are re-split by water
+   filling (equal finishing time on the devices that hold them), sweep after sweep. This
+   minimises ``sum_g load_g^2 / speed_g``, whose minimiser also minimises ``max_g load_g/speed_g``
+   (the achievable device loads form a polymatroid base polytope; Fujishige 1980).
+4. ``improve``: single-slot changes that lower the hottest device's time: a spare replica
+   (of an expert that has others) is overwritten by a replica of a piece on the hottest
+   device; failing that, two single experts swap devices. With a previous placement the same
+   moves repair it, and each one counts against the move budget.
+
+Shapes: E experts, G devices, S slots (grouped by device), L layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import kernel
+
+# Share sweeps stop when no device load changes by more than this fraction of the mean load.
+SWEEP_TOL = 1e-7
+MAX_SWEEPS = 30
+# Candidate moves tried with a full share re-balance per improvement step, best estimate first.
+MOVE_TRIALS = 6
+# Layers with slots x experts up to this are improved by exhaustive single-change search.
+EXHAUSTIVE_SIZE = 256
+
+
+# -- a small binary max-heap over (key, id) pairs: larger key first, then smaller id ------------
+
+
+@kernel
+def heap_before(key_a, id_a, key_b, id_b):
+    return key_a > key_b or (key_a == key_b and id_a < id_b)
+
+
+@kernel
+def heap_push(keys, ids, size, key, idx):
+    i = size
+    keys[i] = key
+    ids[i] = idx
+    while i > 0:
+        parent = (i - 1) // 2
+        if heap_before(keys[i], ids[i], keys[parent], ids[parent]):
+            keys[i], keys[parent] = keys[parent], keys[i]
+            ids[i], ids[parent] = ids[parent], ids[i]
+            i = parent
+        else:
+            break
+    return size + 1
+
+
+@kernel
+def heap_pop(keys, ids, size):
+    """Remove the top; return the new size (the top was keys[0], ids[0] before the call)."""
+    size -= 1
+    keys[0] = keys[size]
+    ids[0] = ids[size]
+    i = 0
+    while True:
+        left = 2 * i + 1
+        best = i
+        if left < size and heap_before(keys[left], ids[left], keys[best], ids[best]):
+            best = left
+        if left + 1 < size and heap_before(keys[left + 1], ids[left + 1], keys[best], ids[best]):
+            best = left + 1
+        if best == i:
+            break
+        keys[i], keys[best] = keys[best], keys[i]
+        ids[i], ids[best] = ids[best], ids[i]
+        i = best
+    return size
+
+
+# -- step 1: replica counts ----------------------------------------------------------------------
+
+
+@kernel
+def replica_counts(w, num_slots, num_devices, max_piece):
+    """[E] int64: replicas per expert that carry load: >= 1, <= num_devices, sum <= num_slots.
+
+    Greedy apportionment: spare slots go, one at a time, to the expert with the largest load per
+    replica (ties: lower expert id) until no piece is larger than ``max_piece`` (the most one
+    slot of any device should carry) or the slots run out. Slots left over become valves.
+    """
+    E = w.shape[0]
+    r = np.ones(E, dtype=np.int64)
+    extra = num_slots - E
+    if extra <= 0 or num_devices <= 1:
+        return r
+    keys = np.empty(E, dtype=np.float64)
+    ids = np.empty(E, dtype=np.int64)
+    size = 0
+    for e in range(E):
+        size = heap_push(keys, ids, size, w[e], e)
+    while extra > 0 and size > 0 and keys[0] > max_piece:
+        e = ids[0]
+        size = heap_pop(keys, ids, size)
+        r[e] += 1
+        extra -= 1
+        if r[e] < num_devices:
+            size = heap_push(keys, ids, size, w[e] / r[e], e)
+    return r
+
+
+@kernel
+def add_valves(w, r, slots, slot_offsets, phy2log, share, slot_device):
+    """Fill the slots packing left free with extra replicas (share 0 until balanced): each
+    free slot takes the expert with the largest load per replica that its device lacks, so
+    load can flow through it between devices. Updates r in place."""
+    E = w.shape[0]
+    G = slots.shape[0]
+    holds = np.zeros(E, dtype=np.bool_)
+    for g in range(G):
+        lo = slot_offsets[g]
+        hi = slot_offsets[g + 1]
+        for s in range(lo, hi):
+            holds[:] = False
+            for t in range(lo, hi):
+                if phy2log[t] >= 0:
+                    holds[phy2log[t]] = True
+            if phy2log[s] >= 0:
+                continue
+            best = -1
+            for e in range(E):
+                if holds[e]:
+                    continue
+                if best < 0 or w[e] * r[best] > w[best] * r[e]:
+                    best = e
+            phy2log[s] = best
+            share[s] = 0.0
+            r[best] += 1
+
+
+# -- step 2: packing -----------------------------------------------------------------------------
+
+
+@kernel
+def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
+    """Fill phy2log [S] / share [S] (equal split): replicas, heaviest first, each to the device
+    that still needs the most load per free slot.
+
+    A device's need is its fair load ``W * speed / sum(speed)`` minus what it holds; dividing by
+    its free slots makes devices with few slots and much to carry take the big pieces and
+    devices with many slots the small ones. Devices sit in a max-heap on that need (ties: lower
+    device id, so replicas of one expert tend to stay on one node).
+    """
+    E = w.shape[0]
+    G = speed.shape[0]
+    piece = np.empty(E, dtype=np.float64)
+    for e in range(E):
+        piece[e] = w[e] / r[e]
+    order = np.argsort(-piece, kind="mergesort")
+    total_w = w.sum()
+    total_speed = speed.sum()
+    need = np.empty(G, dtype=np.float64)
+    used = np.zeros(G, dtype=np.int64)
+    holds = np.zeros((G, E), dtype=np.bool_)
+    slot_piece = np.zeros(phy2log.shape[0], dtype=np.float64)
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        need[g] = total_w * speed[g] / total_speed
+        size = heap_push(keys, ids, size, need[g] / slots[g], g)
+    skipped = np.empty(G, dtype=np.int64)
+    for i in range(E):
+        e = order[i]
+        u = piece[e]
+        for _ in range(r[e]):
+            # the neediest device that does not hold e yet
+            n_skipped = 0
+            best = -1
+            while size > 0:
+                g = ids[0]
+                size = heap_pop(keys, ids, size)
+                if used[g] >= slots[g]:
+                    continue  # filled by make_room while it waited in the heap
+                if holds[g, e]:
+                    skipped[n_skipped] = g
+                    n_skipped += 1
+                else:
+                    best = g
+                    break
+            for j in range(n_skipped):
+                g = skipped[j]
+                size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g]), g)
+            if best >= 0:
+                s = slot_offsets[best] + used[best]
+                used[best] += 1
+                if used[best] < slots[best]:
+                    size = heap_push(keys, ids, size, (need[best] - u) / (slots[best] - used[best]),
+                                     best)
+            else:
+                best, s = make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds,
+                                    need)
+            phy2log[s] = e
+            share[s] = 1.0 / r[e]
+            slot_piece[s] = u
+            need[best] -= u
+            holds[best, e] = True
+
+
+@kernel
+def make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds, need):
+    """Every device with a free slot already holds ``e``: move another expert ``f`` from a full
+    device ``h`` into such a free slot, freeing a slot on ``h`` for ``e``. Returns (h, slot)."""
+    G = slots.shape[0]
+    for g in range(G):
+        if used[g] >= slots[g]:
+            continue
+        for h in range(G):
+            if h == g or holds[h, e]:
+                continue
+            for s in range(slot_offsets[h], slot_offsets[h] + used[h]):
+                f = phy2log[s]
+                if holds[g, f]:
+                    continue
+                free = slot_offsets[g] + used[g]
+                used[g] += 1
+                phy2log[free] = f
+                share[free] = share[s]
+                slot_piece[free] = slot_piece[s]
+                need[g] -= slot_piece[s]
+                need[h] += slot_piece[s]
+                holds[g, f] = True
+                holds[h, f] = False
+                return h, s
+    raise ValueError("no device can take another replica of this expert")
+
+
+# -- step 3: token shares ------------------------------------------------------------------------
+
+
+@kernel
+def expert_slots(phy2log, num_experts):
+    """CSR of each expert's slots: (starts [E+1], slot ids [S]) in slot order."""
+    S = phy2log.shape[0]
+    starts = np.zeros(num_experts + 1, dtype=np.int64)
+    for s in range(S):
+        starts[phy2log[s] + 1] += 1
+    for e in range(num_experts):
+        starts[e + 1] += starts[e]
+    fill = starts[:-1].copy()
+    members = np.empty(S, dtype=np.int64)
+    for s in range(S):
+        e = phy2log[s]
+        members[fill[e]] = s
+        fill[e] += 1
+    return starts, members
+
+
+@kernel
+def device_loads(w, phy2log, share, slot_device, num_devices):
+    load = np.zeros(num_devices, dtype=np.float64)
+    for s in range(phy2log.shape[0]):
+        load[slot_device[s]] += w[phy2log[s]] * share[s]
+    return load
+
+
+@kernel
+def balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps):
+    """Re-split the tokens of every replicated expert so its devices finish together.
+
+    Updates ``share`` [S] and ``load`` [G] in place (load must match share on entry).
+    """
+    E = w.shape[0]
+    G = speed.shape[0]
+    starts, members = expert_slots(phy2log, E)
+    max_rep = 1
+    total = 0.0
+    for e in range(E):
+        max_rep = max(max_rep, starts[e + 1] - starts[e])
+        total += w[e]
+    if max_rep == 1 or total <= 0.0:
+        return
+    tol = SWEEP_TOL * total / G
+    base = np.empty(max_rep, dtype=np.float64)
+    rate = np.empty(max_rep, dtype=np.float64)
+    level = np.empty(max_rep, dtype=np.float64)
+    order = np.empty(max_rep, dtype=np.int64)
+    for _ in range(max_sweeps):
+        biggest_change = 0.0
+        for e in range(E):
+            n = starts[e + 1] - starts[e]
+            if n < 2 or w[e] <= 0.0:
+                continue
+            for j in range(n):
+                s = members[starts[e] + j]
+                g = slot_device[s]
+                base[j] = load[g] - w[e] * share[s]
+                rate[j] = speed[g]
+                level[j] = base[j] / rate[j]
+                order[j] = j
+            # insertion sort by finishing time without this expert (n is small)
+            for a in range(1, n):
+                b = a
+                while b > 0 and level[order[b]] < level[order[b - 1]]:
+                    order[b], order[b - 1] = order[b - 1], order[b]
+                    b -= 1
+            # water level: the k coolest devices rise to a common time lam
+            acc_load = w[e]
+            acc_rate = 0.0
+            lam = 0.0
+            for k in range(n):
+                j = order[k]
+                acc_load += base[j]
+                acc_rate += rate[j]
+                lam = acc_load / acc_rate
+                if k + 1 == n or lam <= level[order[k + 1]]:
+                    break
+            placed = 0.0
+            for j in range(n):
+                x = lam * rate[j] - base[j]
+                if x < 0.0:
+                    x = 0.0
+                level[j] = x  # reuse as the new piece
+                placed += x
+            for j in range(n):
+                s = members[starts[e] + j]
+                g = slot_device[s]
+                new_share = level[j] / placed
+                new_piece = w[e] * new_share
+                change = abs(new_piece - w[e] * share[s])
+                if change > biggest_change:
+                    biggest_change = change
+                share[s] = new_share
+                load[g] = base[j] + new_piece
+        if biggest_change <= tol:
+            break
+
+
+# -- step 4: improvement and repair --------------------------------------------------------------
+
+
+@kernel
+def hottest(load, speed):
+    best = 0
+    for g in range(1, load.shape[0]):
+        if load[g] / speed[g] > load[best] / speed[best]:
+            best = g
+    return best
+
+
+@kernel
+def max_time(load, speed):
+    return load[hottest(load, speed)] / speed[hottest(load, speed)]
+
+
+@kernel
+def replicate_onto_spare(w, speed, slot_device, slot_offsets, phy2log, share, load, max_sweeps):
+    """One move: overwrite a spare replica on a cooler device with a replica of a piece of the
+    hottest device, if that lowers the hottest time. Returns 1 if a move was made, else 0.
+
+    Candidates (each piece of the hottest device x each device that can take it) are ranked by
+    the time the hottest device would reach if the piece were shared with the candidate device
+    so both finish together; the best few are tried with a full share re-balance.
+    """
+    E = w.shape[0]
+    G = speed.shape[0]
+    S = phy2log.shape[0]
+    hot = hottest(load, speed)
+    current = load[hot] / speed[hot]
+    reps = np.zeros(E, dtype=np.int64)
+    for s in range(S):
+        reps[phy2log[s]] += 1
+    lo = slot_offsets[hot]
+    hi = slot_offsets[hot + 1]
+    n_cand = 0
+    cand_est = np.empty((hi - lo) * G, dtype=np.float64)
+    cand_src = np.empty((hi - lo) * G, dtype=np.int64)
+    cand_victim = np.empty((hi - lo) * G, dtype=np.int64)
+    for src in range(lo, hi):
+        e = phy2log[src]
+        moved = w[e] * share[src]
+        if moved <= 0.0:
+            continue
+        hot_base = load[hot] - moved
+        for h in range(G):
+            if h == hot:
+                continue
+            holds_e = False
+            victim = -1
+            for s in range(slot_offsets[h], slot_offsets[h + 1]):
+                f = phy2log[s]
+                if f == e:
+                    holds_e = True
+                    break
+                if reps[f] >= 2 and (victim < 0 or w[f] * share[s] < w[phy2log[victim]] * share[victim]):
+                    victim = s
+            if holds_e or victim < 0:
+                continue
+            h_base = load[h] - w[phy2log[victim]] * share[victim]
+            level = (hot_base + h_base + moved) / (speed[hot] + speed[h])
+            estimate = max(level, hot_base / speed[hot], h_base / speed[h])
+            if estimate < current:
+                cand_est[n_cand] = estimate
+                cand_src[n_cand] = src
+                cand_victim[n_cand] = victim
+                n_cand += 1
+    if n_cand == 0:
+        return 0
+    ranked = np.argsort(cand_est[:n_cand], kind="mergesort")
+    saved_p = phy2log.copy()
+    saved_s = share.copy()
+    saved_l = load.copy()
+    for i in range(min(MOVE_TRIALS, n_cand)):
+        c = ranked[i]
+        victim = cand_victim[c]
+        f = phy2log[victim]
+        load[slot_device[victim]] -= w[f] * share[victim]
+        give_back_share(f, victim, phy2log, share, load, w, slot_device)
+        phy2log[victim] = phy2log[cand_src[c]]
+        share[victim] = 0.0
+        balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+        if max_time(load, speed) < current * (1.0 - 1e-9):
+            return 1
+        phy2log[:] = saved_p
+        share[:] = saved_s
+        load[:] = saved_l
+    return 0
+
+
+@kernel
+def give_back_share(f, slot, phy2log, share, load, w, slot_device):
+    """Slot ``slot`` stops serving expert ``f``: its share goes to f's other replicas in
+    proportion to theirs (equally if theirs are all zero)."""
+    gone = share[slot]
+    rest = 0.0
+    count = 0
+    for s in range(phy2log.shape[0]):
+        if s != slot and phy2log[s] == f:
+            rest += share[s]
+            count += 1
+    for s in range(phy2log.shape[0]):
+        if s != slot and phy2log[s] == f:
+            extra = gone * share[s] / rest if rest > 0.0 else gone / count
+            share[s] += extra
+            load[slot_device[s]] += w[f] * extra
+    share[slot] = 0.0
+
+
+@kernel
+def swap_singles(w, speed, slot_device, slot_offsets, phy2log, share, load, max_sweeps):
+    """Two moves: swap a single-replica expert on the hottest device with a lighter single one
+    elsewhere, choosing the pair that lowers the larger of the two devices' times most.
+    Returns 2 if a swap was made, else 0."""
+    E = w.shape[0]
+    G = speed.shape[0]
+    S = phy2log.shape[0]
+    hot = hottest(load, speed)
+    current = load[hot] / speed[hot]
+    reps = np.zeros(E, dtype=np.int64)
+    for s in range(S):
+        reps[phy2log[s]] += 1
+    best_after = current
+    best_a = -1
+    best_b = -1
+    for a in range(slot_offsets[hot], slot_offsets[hot + 1]):
+        ea = phy2log[a]
+        if reps[ea] != 1:
+            continue
+        for b in range(S):
+            h = slot_device[b]
+            eb = phy2log[b]
+            if h == hot or reps[eb] != 1 or w[eb] >= w[ea]:
+                continue
+            delta = w[ea] - w[eb]
+            after = max((load[hot] - delta) / speed[hot], (load[h] + delta) / speed[h])
+            if after < best_after * (1.0 - 1e-9):
+                # the pair must not put an expert twice on one device
+                clash = False
+                for s in range(slot_offsets[h], slot_offsets[h + 1]):
+                    if phy2log[s] == ea:
+                        clash = True
+                for s in range(slot_offsets[hot], slot_offsets[hot + 1]):
+                    if phy2log[s] == eb:
+                        clash = True
+                if not clash:
+                    best_after = after
+                    best_a = a
+                    best_b = b
+    if best_a < 0:
+        return 0
+    ea = phy2log[best_a]
+    eb = phy2log[best_b]
+    delta = w[ea] - w[eb]
+    phy2log[best_a] = eb
+    phy2log[best_b] = ea
+    load[hot] -= delta
+    load[slot_device[best_b]] += delta
+    balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+    return 2
+
+
+@kernel
+def best_change(w, speed, slot_device, slot_offsets, phy2log, share, load, max_sweeps):
+    """Exhaustive search for small layers: the best single slot change (any slot, any expert
+    its device lacks, the old expert keeping a replica elsewhere) or swap of two slots' experts
+    between devices, each judged after a full share re-balance. Applies it if it lowers the
+    hottest time; returns the moves made (0, 1 or 2)."""
+    E = w.shape[0]
+    S = phy2log.shape[0]
+    reps = np.zeros(E, dtype=np.int64)
+    for s in range(S):
+        reps[phy2log[s]] += 1
+    current = max_time(load, speed)
+    best = current * (1.0 - 1e-9)
+    best_a = -1
+    best_b = -1
+    best_e = -1
+    saved_p = phy2log.copy()
+    saved_s = share.copy()
+    saved_l = load.copy()
+    for a in range(S):
+        old = phy2log[a]
+        g = slot_device[a]
+        for e in range(-1, E) if reps[old] >= 2 else range(-1, -1):
+            if e < 0 or e == old or on_device(e, g, phy2log, slot_offsets):
+                continue
+            load[g] -= w[old] * share[a]
+            give_back_share(old, a, phy2log, share, load, w, slot_device)
+            phy2log[a] = e
+            balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+            t = max_time(load, speed)
+            if t < best:
+                best, best_a, best_b, best_e = t, a, -1, e
+            phy2log[:] = saved_p
+            share[:] = saved_s
+            load[:] = saved_l
+        for b in range(a + 1, S):
+            h = slot_device[b]
+            eb = phy2log[b]
+            if h == g or eb == old or on_device(eb, g, phy2log, slot_offsets) or on_device(
+                    old, h, phy2log, slot_offsets):
+                continue
+            load[g] += w[eb] * share[b] - w[old] * share[a]
+            load[h] += w[old] * share[a] - w[eb] * share[b]
+            phy2log[a] = eb
+            phy2log[b] = old
+            share[a], share[b] = share[b], share[a]
+            balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+            t = max_time(load, speed)
+            if t < best:
+                best, best_a, best_b, best_e = t, a, b, -1
+            phy2log[:] = saved_p
+            share[:] = saved_s
+            load[:] = saved_l
+    if best_a < 0:
+        return 0
+    a = best_a
+    if best_b < 0:
+        old = phy2log[a]
+        load[slot_device[a]] -= w[old] * share[a]
+        give_back_share(old, a, phy2log, share, load, w, slot_device)
+        phy2log[a] = best_e
+        balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+        return 1
+    b = best_b
+    g = slot_device[a]
+    h = slot_device[b]
+    old = phy2log[a]
+    eb = phy2log[b]
+    load[g] += w[eb] * share[b] - w[old] * share[a]
+    load[h] += w[old] * share[a] - w[eb] * share[b]
+    phy2log[a] = eb
+    phy2log[b] = old
+    share[a], share[b] = share[b], share[a]
+    balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+    return 2
+
+
+@kernel
+def on_device(e, g, phy2log, slot_offsets):
+    for s in range(slot_offsets[g], slot_offsets[g + 1]):
+        if phy2log[s] == e:
+            return True
+    return False
+
+
+@kernel
+def improve_layer(w, speed, slot_device, slot_offsets, phy2log, share, load, target, budget,
+                  max_sweeps):
+    """Apply improving moves until the layer's hottest time is <= target, no move helps, or
+    ``budget`` moves are spent (budget < 0: unlimited). Returns the moves made."""
+    made = 0
+    while max_time(load, speed) > target:
+        if budget >= 0 and made >= budget:
+            break
+        if phy2log.shape[0] * w.shape[0] <= EXHAUSTIVE_SIZE and (budget < 0 or budget - made >= 2):
+            step = best_change(w, speed, slot_device, slot_offsets, phy2log, share, load,
+                               max_sweeps)
+            if step == 0:
+                break
+            made += step
+            continue
+        step = replicate_onto_spare(w, speed, slot_device, slot_offsets, phy2log, share, load,
+                                    max_sweeps)
+        if step == 0 and (budget < 0 or budget - made >= 2):
+            step = swap_singles(w, speed, slot_device, slot_offsets, phy2log, share, load,
+                                max_sweeps)
+        if step == 0:
+            break
+        made += step
+    return made
+
+
+# -- whole plans ---------------------------------------------------------------------------------
+
+
+@kernel
+def plan_fresh(loads, speed, slots, node, slot_offsets, slot_device, small_moves, large_moves,
+               max_sweeps):
+    """From-scratch placement of every layer: (phy2log [L,S] int64, share [L,S] float64).
+
+    Two ways to use the spare slots are tried when devices differ (one when they are alike):
+    split heavy experts until no piece exceeds what one slot should carry (even pieces pack
+    well on alike devices), or split only experts larger than a whole device and make the rest
+    valves (devices with few slots and much to carry need whole, large experts). The layer
+    keeps whichever finishes earlier. Then up to ``small_moves`` improving moves per layer when
+    the layer is small enough for exhaustive search, else ``large_moves`` targeted ones.
+    """
+    L = loads.shape[0]
+    G = speed.shape[0]
+    S = slot_device.shape[0]
+    phy2log = np.empty((L, S), dtype=np.int64)
+    share = np.empty((L, S), dtype=np.float64)
+    trial_p = np.empty(S, dtype=np.int64)
+    trial_s = np.empty(S, dtype=np.float64)
+    total_speed = speed.sum()
+    improve_moves = small_moves if S * loads.shape[1] <= EXHAUSTIVE_SIZE else large_moves
+    alike = True
+    for g in range(1, G):
+        if speed[g] != speed[0] or slots[g] != slots[0]:
+            alike = False
+    for layer in range(L):
+        w = loads[layer]
+        total = w.sum()
+        per_slot = 0.0
+        per_device = 0.0
+        for g in range(G):
+            per_slot = max(per_slot, total * speed[g] / total_speed / slots[g])
+            per_device = max(per_device, total * speed[g] / total_speed)
+        best_time = np.inf
+        for attempt in range(1 if alike else 2):
+            r = replica_counts(w, S, G, per_slot if attempt == 0 else per_device)
+            trial_p[:] = -1
+            pack_replicas(w, r, speed, slots, node, slot_offsets, trial_p, trial_s)
+            add_valves(w, r, slots, slot_offsets, trial_p, trial_s, slot_device)
+            load = device_loads(w, trial_p, trial_s, slot_device, G)
+            balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
+            improve_layer(w, speed, slot_device, slot_offsets, trial_p, trial_s, load,
+                          total / total_speed * (1.0 + 1e-6), improve_moves, max_sweeps)
+            t = max_time(load, speed)
+            if t < best_time:
+                best_time = t
+                phy2log[layer] = trial_p
+                share[layer] = trial_s
+    return phy2log, share
+
+
+@kernel
+def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_share, target,
+                max_moves, max_sweeps):
+    """Keep the previous placement, re-split shares for the new loads, then spend moves where
+    they help most: always on the layer furthest above its target time.
+
+    target [L]: hottest time each layer should reach. max_moves < 0: unlimited.
+    Returns (phy2log [L,S], share [L,S], moves made per layer [L]).
+    """
+    L = loads.shape[0]
+    G = speed.shape[0]
+    phy2log = prev_phy2log.copy()
+    share = prev_share.copy()
+    loads_now = np.empty((L, G), dtype=np.float64)
+    gap = np.empty(L, dtype=np.float64)
+    stuck = np.zeros(L, dtype=np.bool_)
+    moves = np.zeros(L, dtype=np.int64)
+    for layer in range(L):
+        w = loads[layer]
+        loads_now[layer] = device_loads(w, phy2log[layer], share[layer], slot_device, G)
+        balance_shares(w, speed, slot_device, phy2log[layer], share[layer], loads_now[layer],
+                       max_sweeps)
+        gap[layer] = max_time(loads_now[layer], speed) - target[layer]
+    spent = 0
+    while max_moves < 0 or spent < max_moves:
+        worst = -1
+        for layer in range(L):
+            if not stuck[layer] and gap[layer] > 0.0 and (worst < 0 or gap[layer] > gap[worst]):
+                worst = layer
+        if worst < 0:
+            break
+        # one step (a replica, or a swap of two) at a time, so the budget goes to whichever
+        # layer is worst after it
+        step_budget = 2 if max_moves < 0 else min(max_moves - spent, 2)
+        made = improve_layer(loads[worst], speed, slot_device, slot_offsets, phy2log[worst],
+                             share[worst], loads_now[worst], target[worst], step_budget,
+                             max_sweeps)
+        if made == 0:
+            stuck[worst] = True
+        moves[worst] += made
+        spent += made
+        gap[worst] = max_time(loads_now[worst], speed) - target[worst]
+    return phy2log, share, moves

@@ -1,0 +1,504 @@
+"""Per-expert token counts, gathered on the device while the model runs.
+
+Shapes: L MoE layers, E logical experts per layer, T tokens, K experts chosen per token.
+
+A :class:`LoadTracker` keeps its counts where the router's ids already live (GPU or CPU) and
+updates them with ``index_add_`` only, so recording never waits on the host: no ``.item()``, no
+``.cpu()``, no Python branch on a tensor's value. The host sees the counts only through
+:meth:`LoadTracker.snapshot`, which reduces them over a process group and copies them out
+asynchronously (pinned memory, ``non_blocking``) -- the one moment a caller chooses to wait.
+
+:func:`attach` finds the routers of a model and hooks them::
+
+    tracker = moebalance.attach(model, window=100)   # or attach(model, LoadTracker(...))
+    for batch in data:
+        loss = model(**batch).loss; loss.backward(); opt.step()
+        tracker.step()                                # close the step: window / EMA update
+    loads_LE = tracker.snapshot()                     # np.ndarray [L, E], summed over ranks
+    tracker.detach()
+
+Which modules count as routers:
+
+* transformers 5.x MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and
+  others built the same way): a child named ``gate`` or ``router`` of a module that also has an
+  ``experts`` child. Its forward returns ``(router_logits [T,E], top_k_weights [T,K],
+  top_k_index [T,K])`` and the hook records ``top_k_index`` -- the experts the model actually
+  used. Top-k is never recomputed from the logits: DeepSeek-V3 chooses with a bias correction and
+  group limits that the logits do not show.
+* any module whose class sets ``moebalance_router = True`` (moebalance's own
+  ``ExpertParallelMoE`` router does). Such a router must return the same triple and have an
+  integer attribute ``num_experts``.
+
+Ids outside ``[0, E)``: ``-1`` marks a dropped token (capacity-limited routers use it) and is
+ignored. Any other out-of-range id is counted in a separate "invalid" bin instead of an expert,
+so it can neither crash the device nor corrupt another expert's count; the next
+:meth:`~LoadTracker.snapshot` raises ``ValueError`` naming the layer. Checking earlier would
+need a host sync per step; ``LoadTracker(..., check=True)`` does exactly that, for debugging.
+"""
+
+from __future__ import annotations
+
+import operator
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
+ROUTER_CHILD_NAMES = ("gate", "router")
+# Config fields that hold the number of routed experts, by model family.
+_CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+class LoadSnapshot:
+    """Handle of an in-flight :meth:`LoadTracker.snapshot`; :meth:`wait` gives the loads.
+
+    The device-to-host copy (and the all-reduce, when there is one) may still be running when
+    the handle is returned; only :meth:`wait` blocks.
+    """
+
+    def __init__(self, loads_LE1: torch.Tensor, work=None, event=None, layer_names=None):
+        self._loads_LE1 = loads_LE1  # last column: invalid ids per layer
+        self._work = work
+        self._event = event
+        self._layer_names = layer_names
+        self._result: np.ndarray | None = None
+
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would return without blocking."""
+        if self._result is not None:
+            return True
+        if self._work is not None and not self._work.is_completed():
+            return False
+        return self._event is None or self._event.query()
+
+    def wait(self) -> np.ndarray:
+        """Block until the loads are on the host; return them as float64 [L, E].
+
+        Raises ValueError if any rank recorded an expert id outside ``[-1, E)``.
+        """
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            if self._event is not None:
+                self._event.synchronize()
+            host = self._loads_LE1.numpy()
+            invalid_L = host[:, -1]
+            if np.any(invalid_L > 0):
+                layer = int(np.flatnonzero(invalid_L > 0)[0])
+                where = f" ({self._layer_names[layer]})" if self._layer_names else ""
+                raise ValueError(
+                    f"topk_ids recorded for layer {layer}{where} held {int(invalid_L[layer])} expert "
+                    f"ids outside [-1, num_experts={host.shape[1] - 1}); check the router's "
+                    f"num_experts, or use LoadTracker(..., check=True) to fail at the faulty record()"
+                )
+            self._result = np.ascontiguousarray(host[:, :-1])
+        return self._result
+
+
+class LoadTracker:
+    """Token counts per (MoE layer, expert), kept on the device with no host sync per step.
+
+    Three views of the load, chosen at construction:
+
+    * cumulative (default): every id recorded since construction or :meth:`reset`, including
+      the step still open;
+    * ``window=W``: the sum of the last W closed steps (ring buffer on the device);
+    * ``ema=a``: per closed step, ``ema_LE = a * ema_LE + (1 - a) * step_LE`` (the first closed
+      step initialises it).
+
+    A step is closed by :meth:`step`; until then its ids show in :meth:`counts` only.
+
+    Args:
+        num_layers: L, MoE layers tracked (layer indices 0..L-1 in model order).
+        num_experts: E, routed experts per layer.
+        window: keep the last ``window`` steps (int >= 1); excludes ``ema``.
+        ema: smoothing factor in [0, 1); excludes ``window``.
+        device: where the counts live. None: on the device of the first ids recorded.
+        check: validate every ``record()`` on the host at once (raises ValueError at the faulty
+            call). This synchronises with the device each call: for debugging only.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, *, window: int | None = None,
+                 ema: float | None = None, device=None, check: bool = False):
+        self.num_layers = _positive_int(num_layers, "num_layers")
+        self.num_experts = _positive_int(num_experts, "num_experts")
+        if window is not None and ema is not None:
+            raise ValueError("pass window or ema, not both: a tracker keeps one view of the load")
+        self.window = None if window is None else _positive_int(window, "window")
+        if ema is not None:
+            if isinstance(ema, bool) or not isinstance(ema, (int, float, np.floating, np.integer)):
+                raise TypeError(f"ema must be a float in [0, 1), got {type(ema).__name__}")
+            if not 0.0 <= float(ema) < 1.0:
+                raise ValueError(f"ema must be in [0, 1) (weight of the past), got {ema}")
+            ema = float(ema)
+        self.ema = ema
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
+        self.check = check
+        #: Router module names, one per layer index, when built by :func:`attach`.
+        self.layer_names: list[str] = []
+        self._hooks: list = []
+        self._steps = 0
+        self.device: torch.device | None = None
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device must name a torch device such as 'cuda:0' or 'cpu', got {device!r}") from exc
+            self._allocate(device)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _allocate(self, device: torch.device) -> None:
+        L, E = self.num_layers, self.num_experts
+        # Buffers must be ordinary tensors even when the first record() runs under
+        # torch.inference_mode(), or later in-place updates during training would be refused.
+        with torch.inference_mode(False), torch.no_grad():
+            # Columns: E experts, then dropped (-1) ids, then invalid ids.
+            self._live_LE2 = torch.zeros(L, E + 2, dtype=torch.int64, device=device)
+            self._closed_LE = torch.zeros(L, E, dtype=torch.int64, device=device)  # cumulative view
+            self._invalid_L = torch.zeros(L, dtype=torch.int64, device=device)  # closed steps
+            self._ring_WLE = (torch.zeros(self.window, L, E, dtype=torch.int64, device=device)
+                              if self.window is not None else None)
+            self._ema_LE = (torch.zeros(L, E, dtype=torch.float64, device=device)
+                            if self.ema is not None else None)
+        self.device = device
+
+    @property
+    def steps(self) -> int:
+        """Steps closed by :meth:`step` since construction or :meth:`reset`."""
+        return self._steps
+
+    def reset(self) -> None:
+        """Forget every count (hooks stay attached)."""
+        self._steps = 0
+        if self.device is not None:
+            self._allocate(self.device)
+
+    # -- per-step path (no host sync) -----------------------------------------------------------
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Add the experts chosen for ``T`` tokens in MoE layer ``layer``.
+
+        Args:
+            layer: MoE layer index in [0, L).
+            topk_ids: [T, K] integer tensor (any integer dtype, CPU or CUDA) of expert ids;
+                ``-1`` entries (dropped tokens) are ignored.
+
+        Only shapes and dtypes are read on the host; the counting is one ``index_add_`` on the
+        ids' device.
+        """
+        if isinstance(layer, (bool, torch.Tensor)):
+            raise TypeError(f"layer must be a Python int, got {type(layer).__name__}")
+        try:
+            layer = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}") from None
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, num_layers={self.num_layers}), got {layer}")
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor [T, K], got {type(topk_ids).__name__}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+            raise TypeError(
+                f"topk_ids must hold integer expert ids, got dtype {topk_ids.dtype} "
+                f"(pass the router's top-k indices, not its logits or weights)"
+            )
+        if topk_ids.dim() != 2:
+            raise ValueError(
+                f"topk_ids must have shape [num_tokens, top_k], got {tuple(topk_ids.shape)}; "
+                f"reshape it with topk_ids.reshape(-1, top_k)"
+            )
+        if self.device is None:
+            self._allocate(topk_ids.device)
+        elif topk_ids.device != self.device:
+            raise ValueError(
+                f"topk_ids is on {topk_ids.device} but the tracker counts on {self.device}; "
+                f"record ids from the device the tracker was created on (or create it with device=None)"
+            )
+        E = self.num_experts
+        with torch.no_grad():
+            ids_N = topk_ids.reshape(-1).to(torch.int64)
+            in_range = (ids_N >= 0) & (ids_N < E)
+            # -1 -> column E (dropped), any other out-of-range id -> column E+1 (invalid).
+            bin_N = torch.where(in_range, ids_N, torch.where(ids_N == -1, E, E + 1))
+            self._live_LE2[layer].index_add_(0, bin_N, torch.ones_like(bin_N))
+            if self.check:
+                bad = int((~in_range & (ids_N != -1)).sum())  # host sync: debugging mode only
+                if bad:
+                    raise ValueError(
+                        f"topk_ids for layer {layer} held {bad} expert ids outside [-1, {E}); "
+                        f"the router and the tracker disagree on num_experts"
+                    )
+
+    def counts(self) -> torch.Tensor:
+        """Counts of the step still open: int64 [L, E] on the tracker's device.
+
+        A live view: later ``record()`` calls add to it and ``step()`` zeroes it; ``clone()`` it
+        to keep a value.
+        """
+        self._require_device()
+        return self._live_LE2[:, : self.num_experts]
+
+    def step(self) -> torch.Tensor:
+        """Close the current step: fold its counts into the window / EMA / cumulative view.
+
+        Returns:
+            int64 [L, E] on the tracker's device: the counts of the step just closed (a new
+            tensor the tracker no longer writes to; move it to the host only when needed).
+        """
+        self._require_device()
+        E = self.num_experts
+        with torch.no_grad():
+            live_LE2 = self._live_LE2
+            step_LE = live_LE2[:, :E].clone()
+            self._invalid_L += live_LE2[:, E + 1]
+            self._closed_LE += step_LE
+            if self._ring_WLE is not None:
+                self._ring_WLE[self._steps % self.window].copy_(step_LE)
+            if self._ema_LE is not None:
+                if self._steps == 0:
+                    self._ema_LE.copy_(step_LE)
+                else:
+                    self._ema_LE.mul_(self.ema).add_(step_LE, alpha=1.0 - self.ema)
+            live_LE2.zero_()
+        self._steps += 1
+        return step_LE
+
+    def _require_device(self) -> None:
+        if self.device is None:
+            raise ValueError(
+                "the tracker holds no counts yet: record() some ids first, or create it with device=..."
+            )
+
+    # -- host side --------------------------------------------------------------------------------
+
+    def loads(self) -> torch.Tensor:
+        """The tracked load on the device, float64 [L, E]: window sum, EMA or cumulative counts."""
+        self._require_device()
+        with torch.no_grad():
+            if self._ring_WLE is not None:
+                return self._ring_WLE.sum(0).to(torch.float64)
+            if self._ema_LE is not None:
+                return self._ema_LE.clone()
+            return (self._closed_LE + self._live_LE2[:, : self.num_experts]).to(torch.float64)
+
+    def snapshot(self, group=None, async_op: bool = False):
+        """The tracked load summed over the ranks of ``group``, copied to the host.
+
+        Every rank of ``group`` must call it (it is an all-reduce). Without an initialised
+        torch.distributed (or with one rank) the local load is returned.
+
+        Args:
+            group: torch.distributed process group (None: the default group, when initialised).
+            async_op: False: wait and return the loads. True: return a :class:`LoadSnapshot`
+                at once; its ``wait()`` returns the loads. On CUDA the copy goes through pinned
+                memory with ``non_blocking=True`` and an event, so the caller's stream never
+                stalls; with NCCL the reduction is ordered on the stream the same way.
+
+        Returns:
+            float64 np.ndarray [L, E] (or a LoadSnapshot when ``async_op``). Raises ValueError
+            (from ``wait()``) if any rank recorded expert ids outside ``[-1, E)``.
+        """
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        if self.device is None:
+            # Nothing recorded here yet: contribute zeros, on a device the backend can reduce.
+            nccl = distributed and dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            loads_LE1 = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
+        else:
+            with torch.no_grad():
+                invalid_L = (self._invalid_L + self._live_LE2[:, self.num_experts + 1]).to(torch.float64)
+                loads_LE1 = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
+        work = None
+        if distributed:
+            work = dist.all_reduce(loads_LE1, group=group, async_op=True)
+        event = None
+        if loads_LE1.is_cuda:
+            if work is not None:
+                work.wait()  # NCCL: orders the copy after the reduction on the stream, host runs on
+                work = None
+            host = torch.empty(loads_LE1.shape, dtype=loads_LE1.dtype, pin_memory=True)
+            host.copy_(loads_LE1, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            loads_LE1 = host
+        handle = LoadSnapshot(loads_LE1, work=work, event=event, layer_names=self.layer_names or None)
+        return handle if async_op else handle.wait()
+
+    def state_dict(self) -> dict:
+        """Counts and settings as CPU tensors (for checkpoints). Syncs: call between steps."""
+        state = {"num_layers": self.num_layers, "num_experts": self.num_experts,
+                 "window": self.window, "ema": self.ema, "steps": self._steps}
+        if self.device is not None:
+            for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+                value = getattr(self, name)
+                if value is not None:
+                    state[name] = value.detach().cpu().clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output; the settings must match this tracker's."""
+        for key in ("num_layers", "num_experts", "window", "ema"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"state {key}={state.get(key)!r} does not match this tracker's {key}={getattr(self, key)!r}; "
+                    f"build the tracker with the settings it was saved with"
+                )
+        self._steps = int(state["steps"])
+        if "_live_LE2" not in state:
+            if self.device is not None:
+                self._allocate(self.device)
+            return
+        self._allocate(self.device if self.device is not None else torch.device("cpu"))
+        for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(state[name])
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Remove the router hooks installed by :func:`attach` (idempotent); counts are kept."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def attached(self) -> bool:
+        """True while router hooks installed by :func:`attach` are live."""
+        return bool(self._hooks)
+
+    def __repr__(self) -> str:
+        view = (f"window={self.window}" if self.window is not None
+                else f"ema={self.ema}" if self.ema is not None else "cumulative")
+        return (f"LoadTracker(num_layers={self.num_layers}, num_experts={self.num_experts}, {view}, "
+                f"device={self.device}, steps={self._steps}, attached={self.attached})")
+
+
+# -- finding and hooking routers ------------------------------------------------------------------
+
+
+def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """The MoE routers of ``model`` in model order, as ``(module name, router, num_experts)``.
+
+    Dense layers have no router and get no index, so index ``l`` is the l-th MoE layer.
+    Raises ValueError when a transformers 4.x-style router (a bare ``nn.Linear`` gate, which
+    returns logits only) is found, or when the expert count of a router cannot be told.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found = []
+    seen: set[int] = set()
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if id(child) in seen:
+                continue
+            marked = getattr(type(child), "moebalance_router", False) is True
+            structural = child_name in ROUTER_CHILD_NAMES and isinstance(
+                getattr(parent, "experts", None), nn.Module)
+            if not (marked or structural):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and not marked:
+                raise ValueError(
+                    f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns logits "
+                    f"only; attach() needs routers that return their chosen expert ids: use "
+                    f"transformers>=5, or call LoadTracker.record(layer, topk_ids) from your own code"
+                )
+            seen.add(id(child))
+            found.append((name, child, _router_num_experts(name, child, model, marked)))
+    return found
+
+
+def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: bool) -> int:
+    num = getattr(router, "num_experts", None)
+    if isinstance(num, int) and not isinstance(num, bool) and num > 0:
+        return num
+    if marked:
+        raise ValueError(f"router {name} sets moebalance_router = True but has no positive int num_experts")
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    config = getattr(model, "config", None)
+    for field in _CONFIG_EXPERT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot tell the number of experts of router {name}: give it a num_experts attribute")
+
+
+def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int | None = None,
+           ema: float | None = None) -> LoadTracker:
+    """Hook every MoE router of ``model`` so that each forward records its chosen experts.
+
+    Args:
+        model: a transformers 5.x MoE model or any module holding moebalance routers (see the
+            module docstring for what counts as a router).
+        tracker: the tracker to record into; its num_layers / num_experts must match the
+            routers found. None: a new one is made with ``window`` / ``ema``.
+        window, ema: settings of the new tracker (only when ``tracker`` is None).
+
+    Returns:
+        The tracker, with ``layer_names`` (router module name per layer index) and ``detach()``.
+
+    Forward passes recomputed during backward (activation checkpointing) are not recorded a
+    second time. Raises ValueError when the model has no router.
+    """
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(
+            f"no MoE router found in {type(model).__name__}: attach() hooks children named "
+            f"{' / '.join(ROUTER_CHILD_NAMES)} of modules with an `experts` child (transformers 5.x MoE "
+            f"blocks) and modules whose class sets moebalance_router = True"
+        )
+    experts = {num for _, _, num in routers}
+    if len(experts) != 1:
+        raise ValueError(
+            f"the routers of this model have different expert counts {sorted(experts)}; "
+            f"track such layers with separate LoadTrackers fed by record()"
+        )
+    num_experts = experts.pop()
+    if tracker is None:
+        tracker = LoadTracker(len(routers), num_experts, window=window, ema=ema)
+    else:
+        if not isinstance(tracker, LoadTracker):
+            raise TypeError(f"tracker must be a LoadTracker, got {type(tracker).__name__}")
+        if window is not None or ema is not None:
+            raise ValueError("window/ema configure a new tracker; the tracker passed in already has its own")
+        if (tracker.num_layers, tracker.num_experts) != (len(routers), num_experts):
+            raise ValueError(
+                f"tracker has num_layers={tracker.num_layers}, num_experts={tracker.num_experts} but the "
+                f"model has {len(routers)} MoE layers of {num_experts} experts; build it as "
+                f"LoadTracker({len(routers)}, {num_experts}, ...)"
+            )
+        if tracker.attached:
+            raise ValueError("tracker is already attached to a model; call tracker.detach() first")
+    tracker.layer_names = [name for name, _, _ in routers]
+    tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
+                      for layer, (name, router, _) in enumerate(routers)]
+    return tracker
+
+
+def _make_hook(tracker: LoadTracker, layer: int, name: str):
+    def record_router_choice(module, args, output):
+        # A forward replayed inside backward (activation checkpointing) was already counted.
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not (isinstance(output, (tuple, list)) and len(output) == 3 and isinstance(output[2], torch.Tensor)):
+            raise ValueError(
+                f"router {name} ({type(module).__name__}) returned {type(output).__name__}, not "
+                f"(router_logits, top_k_weights, top_k_index); attach() supports routers that return "
+                f"that triple -- record other routers' ids with LoadTracker.record()"
+            )
+        tracker.record(layer, output[2])
+
+    return record_router_choice
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)

@@ -1,0 +1,56 @@
+"""Shared test set-up: hypothesis profiles, a seeded generator and backend isolation.
+
+Hypothesis profiles (choose with ``HYPOTHESIS_PROFILE=...``):
+    ``ci`` (default): a fixed, modest set of examples, the same on every run, no deadline
+    (the test machines are shared, so timings are noisy and JIT compiles land in examples).
+    ``explore``: many fresh random examples, for hunting bugs locally.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# The package re-exports the function ``backends`` under the submodule's name, so attribute
+# access (``moebalance.backends``) gives the function; the module is reached through importlib.
+_backends = importlib.import_module("moebalance.backends")
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "explore", max_examples=1000, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A numpy generator with a fixed seed, fresh for every test."""
+    return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def isolated_backends(monkeypatch):
+    """Leave backend selection as the test found it: forced choices, env vars and detection caches.
+
+    Tests that force a backend, set ``MOEBALANCE_*`` variables or clear the detection caches use
+    this so a failure mid-test cannot leak a forced backend into later tests.
+    """
+    for var in ("MOEBALANCE_PLANNER", "MOEBALANCE_DISPATCH", "MOEBALANCE_DISABLE_NUMBA"):
+        monkeypatch.delenv(var, raising=False)
+    forced = dict(_backends._forced)
+    _backends._forced.clear()
+    _backends.has_numba.cache_clear()
+    _backends.has_cupy_gpu.cache_clear()
+    yield _backends
+    _backends._forced.clear()
+    _backends._forced.update(forced)
+    _backends.has_numba.cache_clear()
+    _backends.has_cupy_gpu.cache_clear()

@@ -1,0 +1,304 @@
+"""plan(): DESIGN invariants 1, 5 and 7, reference == Numba, near-optimality on tiny instances."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+import moebalance as mb
+from strategies import placement_cases, topologies
+
+
+def _device_times(loads, p: mb.Placement, topo: mb.Topology) -> np.ndarray:
+    return p.device_loads(loads) / topo.speed
+
+
+def _zipf_loads(rng, num_layers, num_experts, exponent=1.0, tokens=65536.0):
+    out = np.empty((num_layers, num_experts))
+    for layer in range(num_layers):
+        popularity = np.arange(1, num_experts + 1) ** -exponent * rng.lognormal(0, 0.5, num_experts)
+        out[layer] = rng.permutation(popularity / popularity.sum() * tokens)
+    return out
+
+
+# -- invariant 1: every plan is a valid placement ------------------------------------------------
+
+
+@given(case=placement_cases(max_devices=6, max_slots=4, max_layers=3))
+def test_plan_is_valid_placement(case):
+    topo, _, loads = case
+    p = mb.plan(loads, topo)
+    p.validate(topo)
+    assert p.phy2log.shape == (loads.shape[0], topo.num_slots)
+    assert np.all(p.phy2log >= 0)  # every slot holds a real expert
+    assert np.all(p.replicas <= topo.num_devices)
+    assert np.all(mb.imbalance(loads, p, topo) >= 1.0 - 1e-9)
+
+
+@given(case=placement_cases(max_devices=5, max_slots=4, max_layers=2), data=st.data())
+def test_max_moves_is_never_exceeded(case, data):
+    topo, previous, loads = case
+    max_moves = data.draw(st.integers(0, previous.phy2log.size))
+    before = previous.phy2log.copy(), previous.share.copy()
+    p = mb.plan(loads, topo, previous=previous, max_moves=max_moves)
+    p.validate(topo)
+    assert p.moves_from(previous) <= max_moves
+    np.testing.assert_array_equal(previous.phy2log, before[0])  # previous is never modified
+    np.testing.assert_array_equal(previous.share, before[1])
+
+
+def test_zero_move_budget_keeps_every_device_contents(rng):
+    topo = mb.Topology.from_arrays([1.0, 2.0, 0.5, 1.0], [3, 2, 4, 3])
+    w = _zipf_loads(rng, 4, 8)
+    previous = mb.plan(w, topo)
+    p = mb.plan(w * rng.lognormal(0, 0.3, w.shape), topo, previous=previous, max_moves=0)
+    assert p.moves_from(previous) == 0
+    for g in range(topo.num_devices):
+        slots = topo.device_slots(g)
+        for layer in range(4):
+            assert set(p.phy2log[layer, slots]) == set(previous.phy2log[layer, slots])
+
+
+def test_unchanged_loads_move_nothing(rng):
+    topo = mb.Topology.uniform(16, 5, devices_per_node=4)
+    w = _zipf_loads(rng, 6, 64)
+    previous = mb.plan(w, topo)
+    assert mb.plan(w, topo, previous=previous).moves_from(previous) == 0
+
+
+# -- the two executions compute the same function ------------------------------------------------
+
+
+@settings(max_examples=15)
+@given(case=placement_cases(max_devices=5, max_slots=4, max_layers=2), data=st.data())
+def test_reference_equals_numba(case, data):
+    topo, previous, loads = case
+    for kwargs in ({}, {"previous": previous},
+                   {"previous": previous, "max_moves": data.draw(st.integers(0, 6))}):
+        ref = mb.plan(loads, topo, backend="numpy", **kwargs)
+        fast = mb.plan(loads, topo, backend="numba", **kwargs)
+        np.testing.assert_array_equal(ref.phy2log, fast.phy2log)
+        np.testing.assert_allclose(ref.share, fast.share, rtol=0, atol=1e-12)
+
+
+def test_reference_equals_numba_at_moderate_size(rng):
+    topo = mb.Topology.from_arrays([1.0, 0.5] * 8, [4, 6] * 8, np.arange(16) // 4)
+    w = _zipf_loads(rng, 2, 48)
+    for kwargs in ({}, {"previous": mb.plan(w, topo), "max_moves": 10}):
+        w2 = w * rng.lognormal(0, 0.1, w.shape)
+        ref = mb.plan(w2, topo, backend="numpy", polish=2, **kwargs)
+        fast = mb.plan(w2, topo, backend="numba", polish=2, **kwargs)
+        np.testing.assert_array_equal(ref.phy2log, fast.phy2log)
+        np.testing.assert_allclose(ref.share, fast.share, rtol=0, atol=1e-12)
+
+
+# -- quality -------------------------------------------------------------------------------------
+
+
+def _optimal_time(w, speed, slots) -> float:
+    """The best achievable max(load/speed) by MILP: x[e,g] expert e on device g (binary),
+    y[e,g] its tokens there, T the time; each device holds exactly its slots."""
+    E, G = len(w), len(speed)
+    nx = E * G
+    n = 2 * nx + 1
+    rows, lo, hi = [], [], []
+
+    def add(coeffs, low, high):
+        row = np.zeros(n)
+        for i, c in coeffs:
+            row[i] = c
+        rows.append(row)
+        lo.append(low)
+        hi.append(high)
+
+    for g in range(G):
+        add([(e * G + g, 1) for e in range(E)], slots[g], slots[g])
+        add([(nx + e * G + g, 1) for e in range(E)] + [(n - 1, -speed[g])], -np.inf, 0)
+    for e in range(E):
+        add([(e * G + g, 1) for g in range(G)], 1, np.inf)
+        add([(nx + e * G + g, 1) for g in range(G)], w[e], w[e])
+        for g in range(G):
+            add([(nx + e * G + g, 1), (e * G + g, -w[e])], -np.inf, 0)
+    cost = np.zeros(n)
+    cost[-1] = 1
+    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi),
+               integrality=np.r_[np.ones(nx), np.zeros(nx + 1)],
+               bounds=Bounds(np.zeros(n), np.r_[np.ones(nx), np.full(nx + 1, np.inf)]))
+    assert res.success, res.message
+    return float(res.x[-1])
+
+
+def test_within_two_percent_of_optimum_on_tiny_instances():
+    rng = np.random.default_rng(7)
+    checked = 0
+    while checked < 60:
+        G = int(rng.integers(1, 4))
+        E = int(rng.integers(1, 7))
+        slots = rng.integers(1, E + 1, G)
+        if slots.sum() < E:
+            continue
+        speed = rng.choice([0.5, 1.0, 1.5, 2.0], G)
+        w = rng.integers(0, 100, E) * rng.lognormal(0, 1, E)
+        if w.sum() == 0:
+            continue
+        topo = mb.Topology.from_arrays(speed, slots)
+        p = mb.plan(w, topo)
+        worst = _device_times(w[None], p, topo).max()
+        best = _optimal_time(w, speed, slots)
+        assert worst <= best * 1.02 + 1e-9, (w, speed, slots, worst, best)
+        checked += 1
+
+
+@given(case=placement_cases(max_devices=5, max_slots=4, max_layers=1))
+def test_shares_are_optimal_for_the_chosen_slots(case):
+    """Given which device holds which expert, no other split of tokens finishes earlier (LP)."""
+    topo, _, loads = case
+    p = mb.plan(loads, topo)
+    w = loads[0]
+    S, G = topo.num_slots, topo.num_devices
+    # variables: tokens per slot x[S], then T; minimise T
+    cost = np.r_[np.zeros(S), 1.0]
+    a_eq = np.zeros((p.num_experts, S + 1))
+    a_eq[p.phy2log[0], np.arange(S)] = 1.0
+    a_ub = np.zeros((G, S + 1))
+    a_ub[topo.slot_device, np.arange(S)] = 1.0
+    a_ub[:, -1] = -topo.speed
+    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=w, bounds=(0, None))
+    assert res.status == 0
+    achieved = _device_times(loads, p, topo).max()
+    assert achieved <= res.x[-1] * (1 + 1e-3) + 1e-9
+
+
+@pytest.mark.parametrize("speed,slots", [([1.0] * 16, [5] * 16), ([1.0, 0.5] * 8, [4, 6] * 8),
+                                         ([1.0] * 16, [5, 4] * 8)])
+def test_balance_on_skewed_loads(rng, speed, slots):
+    topo = mb.Topology.from_arrays(speed, slots, np.arange(16) // 4)
+    w = _zipf_loads(rng, 8, 64, exponent=1.0)
+    p = mb.plan(w, topo)
+    assert mb.summary_imbalance(w, p, topo) < 1.05
+
+
+def test_drift_moves_few_experts_and_stays_balanced(rng):
+    topo = mb.Topology.uniform(16, 5, devices_per_node=4)
+    w = _zipf_loads(rng, 8, 64)
+    previous = mb.plan(w, topo)
+    drifted = w * rng.lognormal(0, 0.05, w.shape)
+    p = mb.plan(drifted, topo, previous=previous)
+    fresh = mb.plan(drifted, topo)
+    assert p.moves_from(previous) <= 0.10 * previous.phy2log.size
+    assert mb.summary_imbalance(drifted, p, topo) <= mb.summary_imbalance(drifted, fresh, topo) + 0.01
+
+
+def test_faster_devices_carry_more_tokens(rng):
+    topo = mb.Topology.from_arrays([1.0, 3.0], [4, 4])
+    w = rng.uniform(1, 10, (3, 6))
+    p = mb.plan(w, topo)
+    load = p.device_loads(w)
+    assert np.all(load[:, 1] > load[:, 0])
+
+
+def test_all_zero_layer_gets_a_valid_placement():
+    topo = mb.Topology.uniform(3, 3)
+    p = mb.plan(np.zeros((2, 5)), topo)
+    p.validate(topo)
+    np.testing.assert_array_equal(mb.imbalance(np.zeros((2, 5)), p, topo), 1.0)
+
+
+def test_one_device_holds_every_expert():
+    topo = mb.Topology.uniform(1, 4)
+    p = mb.plan([[3.0, 1.0, 0.0, 2.0]], topo)
+    assert sorted(p.phy2log[0]) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(p.share, 1.0)
+
+
+# -- invariant 5: the same inputs give the same placement, in any process ------------------------
+
+
+def _digest(p: mb.Placement) -> str:
+    return hashlib.sha256(p.phy2log.tobytes() + p.share.tobytes()).hexdigest()
+
+
+_DIGEST_SCRIPT = """
+import numpy as np, hashlib, moebalance as mb
+rng = np.random.default_rng(3)
+w = rng.lognormal(0, 1, (4, 40)) * 100
+topo = mb.Topology.from_arrays([1.0, 0.5, 2.0, 1.0, 1.0], [10, 12, 8, 10, 9], [0, 0, 1, 1, 1])
+p = mb.plan(w, topo)
+q = mb.plan(w * rng.lognormal(0, 0.2, w.shape), topo, previous=p, max_moves=7)
+print(hashlib.sha256(p.phy2log.tobytes() + p.share.tobytes() + q.phy2log.tobytes()
+                     + q.share.tobytes()).hexdigest())
+"""
+
+
+def test_deterministic_across_processes():
+    digests = {subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True,
+                              text=True, check=True).stdout.strip() for _ in range(2)}
+    rng = np.random.default_rng(3)
+    w = rng.lognormal(0, 1, (4, 40)) * 100
+    topo = mb.Topology.from_arrays([1.0, 0.5, 2.0, 1.0, 1.0], [10, 12, 8, 10, 9], [0, 0, 1, 1, 1])
+    p = mb.plan(w, topo)
+    q = mb.plan(w * rng.lognormal(0, 0.2, w.shape), topo, previous=p, max_moves=7)
+    here = hashlib.sha256(p.phy2log.tobytes() + p.share.tobytes() + q.phy2log.tobytes()
+                          + q.share.tobytes()).hexdigest()
+    assert digests == {here}
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+def test_accepts_torch_lists_and_integer_counts():
+    topo = mb.Topology.uniform(2, 3)
+    counts = [[5, 1, 0, 9], [2, 2, 2, 2]]
+    a = mb.plan(np.array(counts), topo)
+    b = mb.plan(torch.tensor(counts), topo)
+    c = mb.plan(counts, topo)
+    assert a == b == c
+
+
+@pytest.mark.parametrize("loads,match", [
+    (np.full((2, 4), np.nan), "loads must be finite"),
+    (-np.ones((2, 4)), "loads must be >= 0"),
+    (np.ones((2, 3, 4)), r"loads must have shape \[num_layers, num_experts\]"),
+    (np.ones((2, 9)), "9 experts: every expert needs at least one slot"),
+    (np.ones((2, 2)), "only 2 experts"),
+])
+def test_bad_loads_raise_clear_errors(loads, match):
+    with pytest.raises(ValueError, match=match):
+        mb.plan(loads, mb.Topology.uniform(2, 3))
+
+
+def test_bad_arguments_raise_clear_errors():
+    topo = mb.Topology.uniform(2, 3)
+    w = np.ones((2, 4))
+    p = mb.plan(w, topo)
+    with pytest.raises(TypeError, match="topology must be a moebalance.Topology"):
+        mb.plan(w, [1, 2])
+    with pytest.raises(ValueError, match="previous placement has shape"):
+        mb.plan(np.ones((3, 4)), topo, previous=p)
+    with pytest.raises(ValueError, match="max_moves bounds moves away from a previous"):
+        mb.plan(w, topo, max_moves=3)
+    with pytest.raises(ValueError, match="max_moves must be an integer >= 0"):
+        mb.plan(w, topo, previous=p, max_moves=-1)
+    with pytest.raises(ValueError, match="tolerance must be in"):
+        mb.plan(w, topo, previous=p, tolerance=2.0)
+    with pytest.raises(ValueError, match="backend must be"):
+        mb.plan(w, topo, backend="cupy")
+    with pytest.raises(ValueError, match="polish must be an integer"):
+        mb.plan(w, topo, polish=-2)
+    other = mb.Topology.uniform(3, 2)
+    with pytest.raises(ValueError):
+        mb.plan(w, other, previous=p)
+
+
+@given(topo=topologies(max_devices=4, max_slots=3))
+def test_fewer_slots_than_experts_is_rejected(topo):
+    with pytest.raises(ValueError, match="every expert needs at least one slot"):
+        mb.plan(np.ones((1, topo.num_slots + 1)), topo)
