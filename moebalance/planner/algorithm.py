@@ -116,32 +116,72 @@ def replica_counts(w, num_slots, num_devices, max_piece):
 
 
 @kernel
-def add_valves(w, r, slots, slot_offsets, phy2log, share, slot_device):
-    """Fill the slots packing left free with extra replicas (share 0 until balanced): each
-    free slot takes the expert with the largest load per replica that its device lacks, so
-    load can flow through it between devices. Updates r in place."""
+def add_valves(w, r, speed, slots, slot_offsets, phy2log, share, slot_device):
+    """Fill the slots packing left free with extra replicas (share 0 until balanced), each a
+    valve through which load can flow from a hot device to a cool one.
+
+    Free slots are filled coolest device first; each takes a replica of a piece on the device
+    that is hottest after the valves placed so far, and the load the valve could carry is
+    moved in the running estimate, so that later valves serve the next-hottest devices.
+    Updates r in place.
+    """
     E = w.shape[0]
-    G = slots.shape[0]
-    holds = np.zeros(E, dtype=np.bool_)
-    for g in range(G):
-        lo = slot_offsets[g]
-        hi = slot_offsets[g + 1]
-        for s in range(lo, hi):
-            holds[:] = False
-            for t in range(lo, hi):
-                if phy2log[t] >= 0:
-                    holds[phy2log[t]] = True
-            if phy2log[s] >= 0:
+    G = speed.shape[0]
+    S = phy2log.shape[0]
+    est = np.zeros(G, dtype=np.float64)
+    free = np.zeros(G, dtype=np.int64)
+    holds = np.zeros((G, E), dtype=np.bool_)
+    for s in range(S):
+        if phy2log[s] >= 0:
+            est[slot_device[s]] += w[phy2log[s]] * share[s]
+            holds[slot_device[s], phy2log[s]] = True
+        else:
+            free[slot_device[s]] += 1
+    remaining = free.sum()
+    while remaining > 0:
+        g = -1
+        for d in range(G):
+            if free[d] > 0 and (g < 0 or est[d] / speed[d] < est[g] / speed[g]):
+                g = d
+        # the hottest piece's slot whose expert g does not hold yet
+        best = -1
+        for t in range(S):
+            e = phy2log[t]
+            if e < 0 or holds[g, e]:
                 continue
-            best = -1
+            if best < 0:
+                best = t
+                continue
+            h = slot_device[t]
+            hb = slot_device[best]
+            if est[h] / speed[h] > est[hb] / speed[hb] or (
+                    est[h] / speed[h] == est[hb] / speed[hb]
+                    and w[e] * share[t] > w[phy2log[best]] * share[best]):
+                best = t
+        slot = slot_offsets[g + 1] - free[g]
+        free[g] -= 1
+        remaining -= 1
+        if best < 0:
+            # g already holds every expert that has a piece elsewhere: any expert it lacks
             for e in range(E):
-                if holds[e]:
-                    continue
-                if best < 0 or w[e] * r[best] > w[best] * r[e]:
-                    best = e
-            phy2log[s] = best
-            share[s] = 0.0
-            r[best] += 1
+                if not holds[g, e]:
+                    phy2log[slot] = e
+                    share[slot] = 0.0
+                    holds[g, e] = True
+                    r[e] += 1
+                    break
+            continue
+        e = phy2log[best]
+        h = slot_device[best]
+        phy2log[slot] = e
+        share[slot] = 0.0
+        holds[g, e] = True
+        r[e] += 1
+        # what this valve could carry: enough to level h and g, at most e's piece on h
+        level = (est[h] + est[g]) / (speed[h] + speed[g])
+        flow = min(w[e] * share[best], max(0.0, est[h] - level * speed[h]))
+        est[h] -= flow
+        est[g] += flow
 
 
 # -- step 2: packing -----------------------------------------------------------------------------
@@ -658,7 +698,7 @@ def plan_fresh(loads, speed, slots, node, slot_offsets, slot_device, small_moves
             r = replica_counts(w, S, G, per_slot if attempt == 0 else per_device)
             trial_p[:] = -1
             pack_replicas(w, r, speed, slots, node, slot_offsets, trial_p, trial_s)
-            add_valves(w, r, slots, slot_offsets, trial_p, trial_s, slot_device)
+            add_valves(w, r, speed, slots, slot_offsets, trial_p, trial_s, slot_device)
             load = device_loads(w, trial_p, trial_s, slot_device, G)
             balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
             improve_layer(w, speed, slot_device, slot_offsets, trial_p, trial_s, load,
