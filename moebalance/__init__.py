@@ -1,21 +1,24 @@
 """moebalance: keep the experts of a Mixture-of-Experts model evenly loaded across unlike GPUs."""
 
-from .backends import backends, force_backend, using_backend
+from .backends import backends, force_backend, using_backend, warm_up
 from .metrics import balancedness, imbalance, summary_imbalance
 from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker, attach
+from .dispatch import Dispatcher
+from .nn import ExpertParallelMoE
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Device", "Topology", "Placement",
     "imbalance", "balancedness", "summary_imbalance",
-    "backends", "force_backend", "using_backend",
+    "backends", "force_backend", "using_backend", "warm_up",
     "LoadTracker", "attach",
+    "Dispatcher", "ExpertParallelMoE",
     "__version__",
 ]
 
-from .planner import plan  # noqa: E402  (after the data types it returns)
+from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 
-__all__ += ["plan"]
+__all__ += ["plan", "rebalance_experts"]

@@ -154,21 +154,26 @@ class Placement:
         if not np.all(np.isfinite(self.share)) or np.any(self.share < 0):
             layer, slot = np.argwhere(~(self.share >= 0) | ~np.isfinite(self.share))[0]
             raise ValueError(f"share[{layer}, {slot}] = {self.share[layer, slot]} must be >= 0")
-        for layer in range(L):
-            sums = np.bincount(self.phy2log[layer], weights=self.share[layer], minlength=E)
-            bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
-            if bad.size:
-                raise ValueError(
-                    f"shares of expert {bad[0]} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1"
-                )
-            key = self.slot_device * E + self.phy2log[layer]
-            uniq, counts = np.unique(key, return_counts=True)
-            if np.any(counts > 1):
-                k = uniq[counts > 1][0]
-                raise ValueError(
-                    f"device {k // E} holds expert {k % E} twice in layer {layer}; a device may hold "
-                    f"at most one replica of an expert"
-                )
+        # All layers at once: offset each layer's expert (and device-expert) ids.
+        layer_of = np.repeat(np.arange(L, dtype=np.int64), S)
+        flat = (layer_of * E + self.phy2log.reshape(-1))
+        sums = np.bincount(flat, weights=self.share.reshape(-1), minlength=L * E)
+        bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
+        if bad.size:
+            layer, e = divmod(int(bad[0]), E)
+            raise ValueError(
+                f"shares of expert {e} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1"
+            )
+        G = self.num_devices
+        key = np.sort(flat * G + np.tile(self.slot_device, L))  # (layer, expert, device)
+        twice = key[1:][key[1:] == key[:-1]]
+        if twice.size:
+            rest, g = divmod(int(twice[0]), G)
+            layer, e = divmod(rest, E)
+            raise ValueError(
+                f"device {g} holds expert {e} twice in layer {layer}; a device may hold "
+                f"at most one replica of an expert"
+            )
         return self
 
     # -- migration ------------------------------------------------------------------------------

@@ -189,3 +189,14 @@ def test_backend_of_an_unknown_part_raises(isolated_backends):
 def test_restoring_an_unknown_part_raises_value_error():
     with pytest.raises(ValueError, match=r"part must be one of"):
         mb.force_backend("router", None)
+
+
+def test_warm_up_compiles_every_part():
+    import moebalance as mb
+
+    spent = mb.warm_up()
+    if mb.backends()["numba"]:
+        assert set(spent) == {"planner", "rebalance_experts", "dispatch"}
+        assert all(seconds >= 0 for seconds in spent.values())
+    else:
+        assert spent == {}

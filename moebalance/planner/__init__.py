@@ -12,7 +12,8 @@ from .._arrays import as_loads
 from ..backends import backend
 from ..placement import Placement
 from ..topology import Topology
-from . import _jit, algorithm
+from . import _jit, algorithm, eplb  # eplb registers its kernels before any compile
+from .eplb import rebalance_experts
 
 # With a previous placement, moves go to a layer while its hottest device is more than this
 # fraction above what a fresh plan reaches: moves are only spent where they buy real balance.
@@ -127,4 +128,4 @@ def _max_time(w, phy2log, share, topology: Topology) -> np.ndarray:
     return (loads / topology.speed).max(axis=1)
 
 
-__all__ = ["plan"]
+__all__ = ["plan", "rebalance_experts"]

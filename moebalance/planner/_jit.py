@@ -30,7 +30,8 @@ _compiled: types.SimpleNamespace | None = None
 def compiled() -> types.SimpleNamespace:
     """Numba-compiled copies of every kernel (compiled lazily on first call, cached on disk)."""
     global _compiled
-    if _compiled is None:
+    # Rebuild when kernels were registered after the last build (a module imported later).
+    if _compiled is None or len(vars(_compiled)) != len(_KERNELS):
         import numba
 
         namespace: dict = {}

@@ -31,7 +31,7 @@ from ._jit import kernel
 
 # Share sweeps stop when no device load changes by more than this fraction of the mean load.
 SWEEP_TOL = 1e-7
-MAX_SWEEPS = 30
+MAX_SWEEPS = 16
 # Candidate moves tried with a full share re-balance per improvement step, best estimate first.
 MOVE_TRIALS = 6
 # Layers with slots x experts up to this are improved by exhaustive single-change search.
@@ -66,8 +66,15 @@ def heap_push(keys, ids, size, key, idx):
 def heap_pop(keys, ids, size):
     """Remove the top; return the new size (the top was keys[0], ids[0] before the call)."""
     size -= 1
-    keys[0] = keys[size]
-    ids[0] = ids[size]
+    heap_replace_top(keys, ids, size, keys[size], ids[size])
+    return size
+
+
+@kernel
+def heap_replace_top(keys, ids, size, key, idx):
+    """Replace the top with (key, idx) and restore the heap order (one sift down)."""
+    keys[0] = key
+    ids[0] = idx
     i = 0
     while True:
         left = 2 * i + 1
@@ -81,7 +88,6 @@ def heap_pop(keys, ids, size):
         keys[i], keys[best] = keys[best], keys[i]
         ids[i], ids[best] = ids[best], ids[i]
         i = best
-    return size
 
 
 # -- step 1: replica counts ----------------------------------------------------------------------
@@ -143,21 +149,24 @@ def add_valves(w, r, speed, slots, slot_offsets, phy2log, share, slot_device):
         for d in range(G):
             if free[d] > 0 and (g < 0 or est[d] / speed[d] < est[g] / speed[g]):
                 g = d
-        # the hottest piece's slot whose expert g does not hold yet
+        # the heaviest piece, on the hottest device, of an expert g does not hold yet
         best = -1
-        for t in range(S):
-            e = phy2log[t]
-            if e < 0 or holds[g, e]:
-                continue
-            if best < 0:
-                best = t
-                continue
-            h = slot_device[t]
-            hb = slot_device[best]
-            if est[h] / speed[h] > est[hb] / speed[hb] or (
-                    est[h] / speed[h] == est[hb] / speed[hb]
-                    and w[e] * share[t] > w[phy2log[best]] * share[best]):
-                best = t
+        tried = np.zeros(G, dtype=np.bool_)
+        for _ in range(G):
+            h = -1
+            for d in range(G):
+                if not tried[d] and d != g and (h < 0 or est[d] / speed[d] > est[h] / speed[h]):
+                    h = d
+            if h < 0:
+                break
+            tried[h] = True
+            for t in range(slot_offsets[h], slot_offsets[h + 1]):
+                e = phy2log[t]
+                if e >= 0 and not holds[g, e] and (
+                        best < 0 or w[e] * share[t] > w[phy2log[best]] * share[best]):
+                    best = t
+            if best >= 0:
+                break
         slot = slot_offsets[g + 1] - free[g]
         free[g] -= 1
         remaining -= 1
@@ -225,27 +234,30 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
             best = -1
             while size > 0:
                 g = ids[0]
-                size = heap_pop(keys, ids, size)
                 if used[g] >= slots[g]:
-                    continue  # filled by make_room while it waited in the heap
-                if holds[g, e]:
+                    size = heap_pop(keys, ids, size)  # filled by make_room while in the heap
+                elif holds[g, e]:
                     skipped[n_skipped] = g
                     n_skipped += 1
+                    size = heap_pop(keys, ids, size)
                 else:
                     best = g
                     break
-            for j in range(n_skipped):
-                g = skipped[j]
-                size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g]), g)
             if best >= 0:
                 s = slot_offsets[best] + used[best]
                 used[best] += 1
                 if used[best] < slots[best]:
-                    size = heap_push(keys, ids, size, (need[best] - u) / (slots[best] - used[best]),
-                                     best)
+                    heap_replace_top(keys, ids, size,
+                                     (need[best] - u) / (slots[best] - used[best]), best)
+                else:
+                    size = heap_pop(keys, ids, size)
             else:
                 best, s = make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds,
                                     need)
+            for j in range(n_skipped):
+                g = skipped[j]
+                if used[g] < slots[g]:  # make_room may have filled it
+                    size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g]), g)
             phy2log[s] = e
             share[s] = 1.0 / r[e]
             slot_piece[s] = u
@@ -314,18 +326,27 @@ def device_loads(w, phy2log, share, slot_device, num_devices):
 def balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps):
     """Re-split the tokens of every replicated expert so its devices finish together.
 
-    Updates ``share`` [S] and ``load`` [G] in place (load must match share on entry).
+    Updates ``share`` [S] and ``load`` [G] in place (load must match share on entry). Small
+    layers (cheap, and where extreme speed ratios converge slowly) get 16x the sweeps.
     """
     E = w.shape[0]
     G = speed.shape[0]
     starts, members = expert_slots(phy2log, E)
+    valves = np.empty(E, dtype=np.int64)
+    n_valves = 0
     max_rep = 1
     total = 0.0
     for e in range(E):
-        max_rep = max(max_rep, starts[e + 1] - starts[e])
+        n = starts[e + 1] - starts[e]
+        max_rep = max(max_rep, n)
         total += w[e]
-    if max_rep == 1 or total <= 0.0:
+        if n >= 2 and w[e] > 0.0:
+            valves[n_valves] = e
+            n_valves += 1
+    if n_valves == 0 or total <= 0.0:
         return
+    if phy2log.shape[0] * E <= EXHAUSTIVE_SIZE:
+        max_sweeps *= 16
     tol = SWEEP_TOL * total / G
     base = np.empty(max_rep, dtype=np.float64)
     rate = np.empty(max_rep, dtype=np.float64)
@@ -333,10 +354,9 @@ def balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps):
     order = np.empty(max_rep, dtype=np.int64)
     for _ in range(max_sweeps):
         biggest_change = 0.0
-        for e in range(E):
+        for v in range(n_valves):
+            e = valves[v]
             n = starts[e + 1] - starts[e]
-            if n < 2 or w[e] <= 0.0:
-                continue
             for j in range(n):
                 s = members[starts[e] + j]
                 g = slot_device[s]

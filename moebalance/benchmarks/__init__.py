@@ -1,0 +1,9 @@
+"""Reproducible benchmarks, run by ``moebalance bench``.
+
+- :mod:`moebalance.benchmarks.planner`: ``plan()`` against the EPLB baseline (balance, moves,
+  plan time) on the built-in clusters and workloads; the default ``moebalance bench``.
+- ``moebalance.benchmarks.dispatch``: the token dispatch path (``moebalance bench dispatch``).
+
+Each prints a table and writes ``results.json`` (with the machine, versions and command line),
+``summary.md`` and a plot to an output folder.
+"""

@@ -1,0 +1,405 @@
+"""Dispatch benchmark: the permute / unpermute kernels and the dispatch + combine exchange.
+
+Sections (``--sections``, default all that can run here):
+
+1. ``cpu``: permute (counting sort by slot + row gather) and unpermute (weighted combine) with the
+   Numba kernels, against the baseline Megatron-style path (``torch.argsort(stable=True)`` +
+   ``index_select`` to permute, ``index_add_`` of weighted rows to unpermute) and against a plain
+   copy of the same bytes (``clone`` / ``copy_``). Fresh outputs and reused (``out=``) outputs
+   are timed separately: on CPU a fresh large buffer costs a page fault per 4 KiB on first touch.
+2. ``dist``: ``Dispatcher.dispatch`` + ``combine`` on gloo ranks (spawned processes on
+   127.0.0.1) against a raw ``all_to_all_single`` pair moving the same rows.
+3. ``gpu``: only with CuPy and a CUDA GPU: GB/s of the CUDA ``gather_rows`` and ``combine`` kernels
+   against torch's device copy bandwidth.
+
+Timing: every repeat runs each method once, in turn (interleaved), and the median is reported.
+GB/s counts the bytes a method must move: permute reads and writes N*D elements, unpermute reads
+N*D and writes T*D, a copy reads and writes its bytes.
+
+Legend: T tokens, D hidden size, K top-k, N = T*K routed rows, S slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..backends import has_cupy_gpu, has_numba
+from ..cli import ArgumentParser, UsageError, positive_int, run_guarded
+from .planner import format_markdown, format_text, machine_info
+
+DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
+               "index_select vs a plain copy (CPU), dispatch + combine vs raw all_to_all_single "
+               "(gloo ranks), and the CUDA kernels vs device copy bandwidth (GPU, when present).")
+FULL = {"tokens": 16384, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 7,
+        "dist_tokens": 2048, "dist_hidden": 512, "dist_repeats": 10}
+QUICK = {"tokens": 2048, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 5,
+         "dist_tokens": 256, "dist_hidden": 256, "dist_repeats": 5}
+SECTIONS = ("cpu", "dist", "gpu")
+COLUMNS = ["section", "op", "method", "ms", "GB/s", "vs copy"]
+
+
+@dataclass
+class Row:
+    section: str
+    op: str
+    method: str
+    ms: float
+    gbps: float
+    vs_copy: float | None = None
+
+
+# -- timing helpers ---------------------------------------------------------------------------
+
+
+def interleaved(methods: dict[str, Callable[[], object]], repeats: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds of each method over ``repeats`` rounds, one call of each per round."""
+    for fn in methods.values():  # warm-up: JIT, allocator, caches
+        fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# -- section 1: CPU kernels -------------------------------------------------------------------
+
+
+def run_cpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed: int) -> list[Row]:
+    """Numba permute/unpermute vs argsort + index_select / index_add_ vs plain copies (fp32)."""
+    import torch
+
+    from ..dispatch import numba_kernels as nk
+
+    gen = torch.Generator().manual_seed(seed)
+    T, D, K, S = tokens, hidden, top_k, slots
+    N = T * K
+    x = torch.randn(T, D, generator=gen)
+    slot_TK = torch.randint(0, S, (T, K), generator=gen)
+    w_TK = torch.rand(T, K, generator=gen)
+    order, pos, _ = nk.sort_by_slot(slot_TK, S)
+    y = nk.gather_rows(x, order // K)
+    y_out, x_out, y_copy = torch.empty_like(y), torch.empty_like(x), torch.empty_like(y)
+
+    def ours_permute():
+        o, p, _ = nk.sort_by_slot(slot_TK, S)
+        return nk.gather_rows(x, o // K)
+
+    def ours_permute_out():
+        o, p, _ = nk.sort_by_slot(slot_TK, S)
+        return nk.gather_rows(x, o // K, out=y_out)
+
+    def base_permute():
+        o = torch.argsort(slot_TK.view(-1), stable=True)
+        return x.index_select(0, o // K)
+
+    def base_unpermute():
+        out = torch.zeros(T, D)
+        return out.index_add_(0, order // K, y * w_TK.view(-1)[order].unsqueeze(1))
+
+    timed = interleaved({
+        "permute/numba": ours_permute,
+        "permute/numba out=": ours_permute_out,
+        "permute/argsort+index_select": base_permute,
+        "unpermute/numba": lambda: nk.combine(y, pos, w_TK),
+        "unpermute/numba out=": lambda: nk.combine(y, pos, w_TK, out=x_out),
+        "unpermute/index_add_": base_unpermute,
+        "copy/clone": lambda: y.clone(),
+        "copy/copy_": lambda: y_copy.copy_(y),
+    }, repeats)
+    row_bytes = D * 4
+    moved = {"permute": 2 * N * row_bytes, "unpermute": (N + T) * row_bytes,
+             "copy": 2 * N * row_bytes}
+    fresh_copy, reused_copy = (_gbps(moved["copy"], timed["copy/clone"]),
+                               _gbps(moved["copy"], timed["copy/copy_"]))
+    rows = []
+    for key, seconds in timed.items():
+        op, method = key.split("/", 1)
+        gbps = _gbps(moved[op], seconds)
+        reference_copy = reused_copy if method.endswith("out=") or method == "copy_" else fresh_copy
+        rows.append(Row("cpu", op, method, seconds * 1e3, gbps, gbps / reference_copy))
+    ours = timed["permute/numba"] + timed["unpermute/numba"]
+    ours_out = timed["permute/numba out="] + timed["unpermute/numba out="]
+    base = timed["permute/argsort+index_select"] + timed["unpermute/index_add_"]
+    both = moved["permute"] + moved["unpermute"]
+    rows += [Row("cpu", "permute+unpermute", "numba", ours * 1e3, _gbps(both, ours),
+                 _gbps(both, ours) / fresh_copy),
+             Row("cpu", "permute+unpermute", "numba out=", ours_out * 1e3, _gbps(both, ours_out),
+                 _gbps(both, ours_out) / reused_copy),
+             Row("cpu", "permute+unpermute", "baseline", base * 1e3, _gbps(both, base),
+                 _gbps(both, base) / fresh_copy)]
+    return rows
+
+
+# -- section 2: dispatch + combine on gloo ranks ----------------------------------------------
+
+
+def bench_placement(num_ranks: int):
+    """Three slots per rank: experts 2r, 2r+1 and a replica of expert (2r+2) mod 2G (share 1/2)."""
+    from ..placement import Placement
+
+    E = 2 * num_ranks
+    phy2log = np.array([[e for r in range(num_ranks) for e in (2 * r, 2 * r + 1, (2 * r + 2) % E)]])
+    replicas = np.bincount(phy2log[0], minlength=E)
+    share = 1.0 / replicas[phy2log]
+    device = np.repeat(np.arange(num_ranks), 3)
+    return Placement(phy2log, share, device, E).validate()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if has_numba():
+        import numba
+
+        numba.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        from ..dispatch import Dispatcher
+
+        T, D, K = cfg["tokens"], cfg["hidden"], cfg["top_k"]
+        gen = torch.Generator().manual_seed(cfg["seed"] + rank)
+        placement = bench_placement(world)
+        x = torch.randn(T, D, generator=gen)
+        ids = torch.stack([torch.randperm(placement.num_experts, generator=gen)[:K]
+                           for _ in range(T)])
+        weights = torch.rand(T, K, generator=gen)
+        d = Dispatcher(group=None)
+        send = torch.randn(T * K, D, generator=gen)
+        recv = torch.empty_like(send)
+        back = torch.empty_like(send)
+
+        def dispatch_combine():
+            recv_x, handle = d.dispatch(x, ids, weights, placement, 0)
+            return d.combine(recv_x, handle)
+
+        def raw_pair():
+            dist.all_to_all_single(recv, send)
+            dist.all_to_all_single(back, recv)
+
+        timed = interleaved({"dispatch+combine": dispatch_combine,
+                             "all_to_all_single x2": raw_pair},
+                            cfg["repeats"], sync=dist.barrier)
+        # A step is as slow as its slowest rank.
+        slowest = torch.tensor([timed["dispatch+combine"], timed["all_to_all_single x2"]],
+                               dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            Path(result_dir, "dist.json").write_text(json.dumps(slowest.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_dist(num_ranks: int, tokens: int, hidden: int, top_k: int, repeats: int,
+             seed: int) -> list[Row]:
+    """Dispatcher.dispatch + combine vs two raw all_to_all_single calls of T*K rows per rank."""
+    import torch.multiprocessing as mp
+
+    if 2 * num_ranks < top_k:
+        raise UsageError(f"--top-k {top_k} needs at least {(top_k + 1) // 2} ranks in the "
+                         f"distributed section (the bench model has 2 experts per rank)")
+    cfg = {"tokens": tokens, "hidden": hidden, "top_k": top_k, "repeats": repeats, "seed": seed}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dist_worker, args=(num_ranks, _free_port(), cfg, tmp), nprocs=num_ranks,
+                 join=True)
+        ours, raw = json.loads(Path(tmp, "dist.json").read_text())
+    # Rows each rank sends and receives (about T*K each way, both directions, in and out).
+    nbytes = 4 * tokens * top_k * hidden * 4
+    label = f"{num_ranks} gloo ranks"
+    return [Row("dist", label, "dispatch+combine", ours * 1e3, _gbps(nbytes, ours), raw / ours),
+            Row("dist", label, "all_to_all_single x2", raw * 1e3, _gbps(nbytes, raw), 1.0)]
+
+
+# -- section 3: GPU kernels -------------------------------------------------------------------
+
+
+def run_gpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed: int) -> list[Row]:
+    """CUDA gather_rows / combine GB/s against a device clone of the same bytes (fp32, bf16)."""
+    import torch
+
+    from ..dispatch import cuda
+
+    sync = torch.cuda.synchronize
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T, D, K, S = tokens, hidden, top_k, slots
+    N = T * K
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(T, D, device="cuda", generator=gen).to(dtype)
+        slot_TK = torch.randint(0, S, (T, K), device="cuda", generator=gen)
+        w = torch.rand(T, K, device="cuda", generator=gen)
+        order, pos, _ = cuda.sort_by_slot(slot_TK, S)
+        index = order // K
+        y = cuda.gather_rows(x, index)
+        y_out, x_out = torch.empty_like(y), torch.empty_like(x)
+        timed = interleaved({
+            "sort_by_slot": lambda: cuda.sort_by_slot(slot_TK, S),
+            "gather_rows": lambda: cuda.gather_rows(x, index, out=y_out),
+            "combine": lambda: cuda.combine(y, pos, w, out=x_out),
+            "copy_": lambda: y_out.copy_(y),
+        }, repeats, sync=sync)
+        size = x.element_size()
+        moved = {"sort_by_slot": 5 * N * 8, "gather_rows": 2 * N * D * size,
+                 "combine": (N + T) * D * size, "copy_": 2 * N * D * size}
+        copy_gbps = _gbps(moved["copy_"], timed["copy_"])
+        for op, seconds in timed.items():
+            gbps = _gbps(moved[op], seconds)
+            rows.append(Row("gpu", f"{op} {str(dtype).replace('torch.', '')}", "cuda" if op != "copy_"
+                            else "torch", seconds * 1e3, gbps, gbps / copy_gbps))
+    return rows
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sizes: T={QUICK['tokens']} (CPU/GPU), {QUICK['dist_tokens']} "
+                             f"tokens per rank (dist), {QUICK['repeats']} repeats")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated subset of cpu,dist,gpu (default: all; gpu runs only "
+                             "with CuPy and a CUDA GPU)")
+    parser.add_argument("--tokens", type=positive_int, default=None,
+                        help=f"T of the kernel sections (default {FULL['tokens']})")
+    parser.add_argument("--hidden", type=positive_int, default=None,
+                        help=f"D of the kernel sections (default {FULL['hidden']})")
+    parser.add_argument("--top-k", type=positive_int, default=None,
+                        help=f"K, routed experts per token (default {FULL['top_k']})")
+    parser.add_argument("--slots", type=positive_int, default=None,
+                        help=f"S, slots the kernel sections sort into (default {FULL['slots']})")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help=f"timed rounds, median reported (default {FULL['repeats']})")
+    parser.add_argument("--ranks", type=positive_int, default=4,
+                        help="gloo ranks of the distributed section (default 4)")
+    parser.add_argument("--dist-tokens", type=positive_int, default=None,
+                        help=f"tokens per rank in the distributed section "
+                             f"(default {FULL['dist_tokens']})")
+    parser.add_argument("--dist-hidden", type=positive_int, default=None,
+                        help=f"D in the distributed section (default {FULL['dist_hidden']})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--out", default=os.path.join("bench-out", "dispatch"), metavar="DIR",
+                        help="folder for results.json and summary.md (default ./bench-out/dispatch)")
+
+
+def _cells(rows: Sequence[Row]) -> list[list[str]]:
+    return [[r.section, r.op, r.method, f"{r.ms:.2f}", f"{r.gbps:.2f}",
+             "" if r.vs_copy is None else f"{r.vs_copy:.2f}x"] for r in rows]
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    preset = QUICK if args.quick else FULL
+    for key in ("tokens", "hidden", "top_k", "slots", "repeats", "dist_tokens", "dist_hidden"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise UsageError(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
+    import torch
+
+    notes: list[str] = []
+    rows: list[Row] = []
+    threads = torch.get_num_threads()
+    if has_numba():
+        import numba
+
+        threads = f"torch {threads}, numba {numba.get_num_threads()}"
+    print(f"moebalance dispatch benchmark: T={args.tokens} D={args.hidden} K={args.top_k} "
+          f"S={args.slots}, {args.repeats} interleaved repeats (median); threads: {threads}",
+          flush=True)
+    started = time.perf_counter()
+    if "cpu" in sections:
+        if has_numba():
+            rows += run_cpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats, args.seed)
+        else:
+            notes.append("cpu section skipped: Numba is not installed")
+    if "dist" in sections:
+        rows += run_dist(args.ranks, args.dist_tokens, args.dist_hidden, args.top_k,
+                         preset["dist_repeats"] if args.quick else max(args.repeats, 5), args.seed)
+        notes.append(f"dist: {args.ranks} gloo ranks on 127.0.0.1, one thread each, "
+                     f"{args.dist_tokens} tokens x top-{args.top_k} per rank, D={args.dist_hidden}; "
+                     f"time of the slowest rank; 'vs copy' is the raw exchange's time over "
+                     f"dispatch+combine's")
+    if "gpu" in sections:
+        if has_cupy_gpu():
+            rows += run_gpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats,
+                            args.seed)
+        else:
+            notes.append("gpu section skipped: needs CuPy and a CUDA GPU")
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
+        notes.append("fresh CPU buffers pay first-touch page faults; THP_MEM_ALLOC_ENABLE=1 "
+                     "(torch's huge-page allocations) removes most of that cost")
+    elapsed = time.perf_counter() - started
+
+    info = machine_info(argv)
+    info["threads_used"] = threads
+    table = format_text(COLUMNS, _cells(rows))
+    print()
+    print(table)
+    for line in notes:
+        print(f"note: {line}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: getattr(args, k) for k in ("quick", "tokens", "hidden", "top_k", "slots",
+                                            "repeats", "ranks", "dist_tokens", "dist_hidden",
+                                            "seed")}
+    config.update(sections=sections, wall_s=round(elapsed, 2))
+    (out / "results.json").write_text(json.dumps(
+        {"machine": info, "config": config, "rows": [asdict(r) for r in rows], "notes": notes},
+        indent=2) + "\n", encoding="utf-8")
+    md = ["# moebalance dispatch benchmark", "",
+          f"- machine: {info['cpu']}, {info['cores']} cores; threads {threads}",
+          f"- versions: python {info['python']}, torch {info['torch']}, numba {info['numba']}, "
+          f"moebalance {info['moebalance']}",
+          f"- command: {info['command']}", f"- date: {info['timestamp']}",
+          f"- sizes: T={args.tokens}, D={args.hidden}, K={args.top_k}, S={args.slots}, float32; "
+          f"median of {args.repeats} interleaved repeats", "",
+          format_markdown(COLUMNS, _cells(rows)), "",
+          "GB/s: bytes a method must move (permute 2*N*D, unpermute (N+T)*D, copy 2*N*D elements) "
+          "over its time. 'vs copy': GB/s over the plain copy's (fresh buffers against clone, "
+          "out= against copy_).", ""]
+    md += [f"- note: {x}" for x in notes]
+    (out / "summary.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``moebalance bench dispatch`` as a function; ``argv`` excludes the program name."""
+    parser = ArgumentParser(prog="moebalance bench dispatch", description=DESCRIPTION)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    return run_guarded(lambda: run(args, ["moebalance", "bench", "dispatch", *argv]),
+                       prog="moebalance bench dispatch")

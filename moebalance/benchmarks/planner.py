@@ -1,0 +1,648 @@
+"""Planner benchmark: ``moebalance.plan`` against the EPLB baseline.
+
+Shapes: L layers, E experts, S slots, G devices.
+
+What it compares, on the clusters of :mod:`moebalance.workloads`:
+
+- **static**: one first placement per cluster and skew. Homogeneous clusters use DeepSeek's EPLB
+  itself as the baseline (hierarchical where the expert groups divide among the nodes, else
+  global); clusters EPLB cannot express (uneven slots, unequal speeds) use the EPLB-style
+  baseline generalised to any topology.
+- **drift**: a sequence of re-plans, loads jittered by 5% and by 20% each time. moebalance plans
+  with ``previous=`` its last placement; the baseline plans from scratch, as EPLB does.
+- **drop-in**: ``moebalance.rebalance_experts`` against DeepSeek's ``rebalance_experts`` on the
+  homogeneous clusters, same arguments: balancedness, replicas that share a GPU with another
+  replica of their expert (EPLB allows it), plan times and speed-up.
+- **trace** (when a router trace ships with the package): loads are the mean counts over a
+  window of steps, on clusters sized for the trace's experts; the replay re-plans on each
+  following window, like the drift sequences.
+
+Figures (DESIGN.md section 2): imbalance is ``sum_l max_g(load/speed) / sum_l ideal``; worst
+layer is the largest per-layer imbalance; balancedness is EPLB's mean/max device load averaged
+over layers; moves are expert copies to transfer from the previous placement (all slots for a
+first placement); plan time is the median wall time of one call for all layers, warm, on one
+thread, with the methods' calls interleaved so that machine noise hits them alike. Only the
+planning call is timed: not validation, not the conversion of EPLB's output to a Placement.
+
+Writes ``results.json`` (rows, machine, versions, command line), ``summary.md`` and
+``plot.png`` to the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .. import workloads
+from ..backends import backend, has_numba
+from ..cli import ArgumentParser, UsageError, nonneg_int, positive_int, run_guarded
+from ..metrics import balancedness, imbalance, summary_imbalance
+from ..placement import Placement
+from ..planner import eplb, plan
+from ..topology import Topology
+
+DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
+               "and plan time on built-in clusters and workloads.")
+# The synthetic model (module docstring of moebalance.workloads): DeepSeek-V3 sized.
+MODEL = {"num_layers": 58, "num_experts": 256, "num_groups": 8, "top_k": 8, "tokens": 8192}
+STATIC_CLUSTERS = ("homogeneous-320", "homogeneous-288", "uneven-288", "heterogeneous")
+DRIFT_CLUSTERS = ("homogeneous-320", "heterogeneous")
+DRIFT_RELS = (0.05, 0.2)
+PLOT_CLUSTERS = ("homogeneous-320", "heterogeneous")
+# --quick: few enough layers and calls that a run, JIT warm-up included, stays under 30 s on 2 cores.
+QUICK = {"num_layers": 8, "repeats": 2, "drift_steps": 2}
+FULL = {"num_layers": MODEL["num_layers"], "repeats": 5, "drift_steps": 6}
+
+# -- methods ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to plan, as the benchmark calls it.
+
+    ``run(loads_LE, previous)`` returns ``(result, seconds)``: the timed call's raw result and
+    its wall time. ``to_placement(result)`` turns the result into a Placement, outside the timing.
+    """
+
+    name: str
+    run: Callable[[np.ndarray, "Placement | None"], tuple[object, float]]
+    to_placement: Callable[[object], Placement]
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def moebalance_method(topology: Topology) -> Method:
+    return Method(
+        name="moebalance",
+        run=lambda w, prev: _timed(lambda: plan(w, topology, previous=prev)),
+        to_placement=lambda p: p,
+    )
+
+
+def eplb_layout(topology: Topology) -> tuple[int, int] | None:
+    """``(num_nodes, num_gpus)`` when DeepSeek's EPLB can express ``topology`` (identical devices,
+    equal slots, nodes of equal size numbered in rank order), else None."""
+    if not topology.is_homogeneous:
+        return None
+    G, nodes = topology.num_devices, topology.num_nodes
+    if G % nodes or not np.array_equal(topology.node, np.arange(G) // (G // nodes)):
+        return None
+    return nodes, G
+
+
+def baseline_method(topology: Topology, num_experts: int, num_groups: int) -> Method:
+    """DeepSeek's EPLB where it applies (see :func:`eplb_layout`), else the EPLB-style plan."""
+    layout = eplb_layout(topology)
+    if layout is None:
+        return Method(
+            name="eplb-style",
+            run=lambda w, prev: _timed(lambda: eplb.eplb_style_plan(w, topology)),
+            to_placement=lambda p: p,
+        )
+    nodes, gpus = layout
+    groups = num_groups if num_experts % num_groups == 0 else 1
+    # one node or one group: EPLB's hierarchical code path reduces to its global policy
+    kind = "hierarchical" if groups % nodes == 0 and nodes > 1 and groups > 1 else "global"
+    S = topology.num_slots
+    return Method(
+        name=f"eplb ({kind})",
+        run=lambda w, prev: _timed(lambda: eplb.eplb_baseline(w, S, groups, nodes, gpus)),
+        to_placement=lambda out: eplb.placement_from_phy2log(out[0], num_experts, topology),
+    )
+
+
+def dropin_method(topology: Topology, num_experts: int, num_groups: int) -> Method:
+    """``moebalance.rebalance_experts`` with EPLB's arguments (EPLB-expressible topologies only)."""
+    nodes, gpus = eplb_layout(topology)
+    groups = num_groups if num_experts % num_groups == 0 else 1
+    S = topology.num_slots
+    return Method(
+        name="rebalance_experts",
+        run=lambda w, prev: _timed(lambda: eplb.rebalance_experts(w, S, groups, nodes, gpus)),
+        to_placement=lambda out: eplb.placement_from_phy2log(out[0], num_experts, topology),
+    )
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of the results table."""
+
+    workload: str
+    scenario: str
+    kind: str  # "static" or "drift"
+    skew: str
+    method: str
+    imbalance: float
+    worst_layer_imbalance: float
+    balancedness: float
+    moves: float
+    moves_pct: float
+    plan_ms: float
+    plan_ms_samples: list[float]
+    num_layers: int
+    num_slots: int
+    num_devices: int
+    drift: float | None = None
+    replans: int = 0
+
+
+@dataclass
+class Figures:
+    """Balance of one placement on one load matrix."""
+
+    summary: float
+    worst: float
+    balancedness: float
+    per_layer: np.ndarray = field(repr=False)
+
+    @classmethod
+    def of(cls, loads_LE: np.ndarray, placement: Placement, topology: Topology) -> "Figures":
+        per_layer = imbalance(loads_LE, placement, topology)
+        return cls(summary=summary_imbalance(loads_LE, placement, topology),
+                   worst=float(per_layer.max()),
+                   balancedness=float(balancedness(loads_LE, placement, topology).mean()),
+                   per_layer=per_layer)
+
+
+def _interleaved(methods: Sequence[Method], loads_LE: np.ndarray, previous: Sequence,
+                 repeats: int) -> tuple[list[object], list[list[float]]]:
+    """Call every method ``repeats`` times, round-robin; return each one's last result and times."""
+    results: list[object] = [None] * len(methods)
+    times: list[list[float]] = [[] for _ in methods]
+    for _ in range(repeats):
+        for i, m in enumerate(methods):
+            results[i], seconds = m.run(loads_LE, previous[i])
+            times[i].append(seconds * 1e3)
+    return results, times
+
+
+def _duplicates(placement: Placement) -> int:
+    """Replicas that sit on a device already holding their expert (EPLB can do that)."""
+    E = placement.num_experts
+    total = 0
+    for layer in range(placement.num_layers):
+        key = placement.slot_device * E + placement.phy2log[layer]
+        total += key.size - np.unique(key).size
+    return total
+
+
+@dataclass
+class StaticCase:
+    """What the static run keeps for the plot and the drop-in table."""
+
+    cluster: str
+    skew: str
+    topology: Topology
+    loads: np.ndarray
+    placements: dict[str, Placement]
+
+
+def run_static(workload: str, name: str, skew: str, topology: Topology, loads_LE: np.ndarray,
+               num_groups: int, repeats: int) -> tuple[list[Row], StaticCase, dict | None]:
+    """First placements of ``loads_LE [L, E]`` on ``topology`` by every method."""
+    E = loads_LE.shape[1]
+    methods = [moebalance_method(topology), baseline_method(topology, E, num_groups)]
+    if eplb_layout(topology) is not None:
+        methods.append(dropin_method(topology, E, num_groups))
+    _interleaved(methods, loads_LE, [None] * len(methods), 1)  # warm: JIT-compile, fill caches
+    results, times = _interleaved(methods, loads_LE, [None] * len(methods), repeats)
+    placements = {m.name: m.to_placement(r) for m, r in zip(methods, results)}
+    L, S = loads_LE.shape[0], topology.num_slots
+    rows = []
+    for m, t in zip(methods[:2], times[:2]):
+        f = Figures.of(loads_LE, placements[m.name], topology)
+        rows.append(Row(workload=workload, scenario=name, kind="static", skew=skew, method=m.name,
+                        imbalance=f.summary, worst_layer_imbalance=f.worst,
+                        balancedness=f.balancedness, moves=float(L * S), moves_pct=100.0,
+                        plan_ms=statistics.median(t), plan_ms_samples=t, num_layers=L,
+                        num_slots=S, num_devices=topology.num_devices))
+    dropin = None
+    if len(methods) == 3:
+        base_ms, fast_ms = statistics.median(times[1]), statistics.median(times[2])
+        dropin = {
+            "workload": workload, "scenario": name, "skew": skew, "baseline": methods[1].name,
+            "balancedness_eplb": Figures.of(loads_LE, placements[methods[1].name], topology).balancedness,
+            "balancedness_dropin": Figures.of(loads_LE, placements["rebalance_experts"], topology).balancedness,
+            "eplb_duplicates": _duplicates(placements[methods[1].name]),
+            "dropin_duplicates": _duplicates(placements["rebalance_experts"]),
+            "eplb_ms": base_ms, "dropin_ms": fast_ms,
+            "speedup": base_ms / fast_ms if fast_ms > 0 else float("inf"),
+        }
+    return rows, StaticCase(name, skew, topology, loads_LE, placements), dropin
+
+
+def run_drift(workload: str, name: str, skew: str, topology: Topology,
+              sequence: Sequence[np.ndarray], num_groups: int, rel: float | None) -> list[Row]:
+    """Re-plan along ``sequence`` (loads [L, E] per step; the first is the starting point).
+
+    moebalance gets its last placement as ``previous``; the baseline starts from scratch each
+    time. Figures are averaged over the re-plans (steps 1..n); moves count each re-plan's copies.
+    """
+    E = sequence[0].shape[1]
+    methods = [moebalance_method(topology), baseline_method(topology, E, num_groups)]
+    first, _ = _interleaved(methods, sequence[0], [None, None], 1)
+    previous = [m.to_placement(r) for m, r in zip(methods, first)]
+    # warm the re-planning path too (its kernels differ from a first plan's)
+    _interleaved(methods[:1], sequence[1], previous[:1], 1)
+    L, S = sequence[0].shape[0], topology.num_slots
+    stats = {m.name: {"figs": [], "moves": [], "ms": []} for m in methods}
+    for loads_LE in sequence[1:]:
+        results, times = _interleaved(methods, loads_LE, previous, 1)
+        for i, (m, r) in enumerate(zip(methods, results)):
+            p = m.to_placement(r)
+            stats[m.name]["figs"].append(Figures.of(loads_LE, p, topology))
+            stats[m.name]["moves"].append(p.moves_from(previous[i]))
+            stats[m.name]["ms"].append(times[i][0])
+            previous[i] = p
+    rows = []
+    for m in methods:
+        s = stats[m.name]
+        moves = float(np.mean(s["moves"]))
+        rows.append(Row(workload=workload, scenario=name, kind="drift", skew=skew, method=m.name,
+                        imbalance=float(np.mean([f.summary for f in s["figs"]])),
+                        worst_layer_imbalance=float(max(f.worst for f in s["figs"])),
+                        balancedness=float(np.mean([f.balancedness for f in s["figs"]])),
+                        moves=moves, moves_pct=100.0 * moves / (L * S),
+                        plan_ms=statistics.median(s["ms"]), plan_ms_samples=s["ms"],
+                        num_layers=L, num_slots=S, num_devices=topology.num_devices,
+                        drift=rel, replans=len(sequence) - 1))
+    return rows
+
+
+# -- reporting --------------------------------------------------------------------------------------
+
+
+LEGEND = ("imbalance: sum over layers of the slowest device's time over the ideal time (1 is "
+          "perfect; speed-aware); worst layer: the largest per-layer imbalance; balancedness: "
+          "EPLB's mean/max device load, averaged over layers (blind to speed, so on unequal "
+          "devices a lower figure can be the better plan); moves: expert copies to transfer "
+          "(every slot for a first plan; per re-plan in drift and replay rows); plan ms: median "
+          "wall time of one call for all layers, warm, one thread.")
+COLUMNS = ("scenario", "skew", "method", "imbalance", "worst layer", "balancedness", "moves",
+           "moves %", "plan ms")
+
+
+def _scenario_label(row: Row) -> str:
+    if row.kind == "static":
+        return row.scenario
+    if row.drift is None:
+        return f"{row.scenario}, replay x{row.replans}"
+    return f"{row.scenario}, drift {row.drift:.0%} x{row.replans}"
+
+
+def table_cells(rows: Sequence[Row]) -> list[list[str]]:
+    cells = []
+    for r in rows:
+        cells.append([_scenario_label(r), r.skew, r.method, f"{r.imbalance:.3f}",
+                      f"{r.worst_layer_imbalance:.3f}", f"{r.balancedness:.3f}",
+                      f"{r.moves:.0f}", f"{r.moves_pct:.1f}", f"{r.plan_ms:.1f}"])
+    return cells
+
+
+DROPIN_COLUMNS = ("scenario", "skew", "baseline", "balancedness eplb", "balancedness drop-in",
+                  "duplicates eplb", "duplicates drop-in", "eplb ms", "drop-in ms", "speed-up")
+
+
+def dropin_cells(dropins: Sequence[dict]) -> list[list[str]]:
+    return [[d["scenario"], d["skew"], d["baseline"], f"{d['balancedness_eplb']:.4f}",
+             f"{d['balancedness_dropin']:.4f}", str(d["eplb_duplicates"]),
+             str(d["dropin_duplicates"]),
+             f"{d['eplb_ms']:.1f}", f"{d['dropin_ms']:.2f}", f"{d['speedup']:.1f}x"]
+            for d in dropins]
+
+
+def _is_number(text: str) -> bool:
+    return text.rstrip("x%").replace(".", "", 1).replace("-", "", 1).isdigit()
+
+
+def format_text(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """Plain-text table, numbers right-aligned."""
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    numeric = [bool(cells) and _is_number(cells[0][i]) for i in range(len(columns))]
+
+    def line(items: Sequence[str]) -> str:
+        return "  ".join(x.rjust(w) if right else x.ljust(w)
+                         for x, w, right in zip(items, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
+
+
+def format_markdown(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join("---:" if _is_number(cells[0][i]) else "---"
+                          for i in range(len(columns))) + "|" if cells else ""
+    return "\n".join([head, rule] + ["| " + " | ".join(r) + " |" for r in cells])
+
+
+def _version_of(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info(argv: Sequence[str]) -> dict:
+    """CPU, cores, versions and the command line, for the record."""
+    from .. import __version__, backends
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for text in f:
+                if text.startswith("model name"):
+                    cpu = text.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass  # not Linux: platform's answer stands
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": affinity,
+        "threads_used": 1,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": _version_of("numba"),
+        "torch": _version_of("torch"),
+        "moebalance": __version__,
+        "backends": backends(),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def machine_lines(info: dict) -> list[str]:
+    return [
+        f"machine: {info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), "
+        f"one thread used; {info['platform']}",
+        f"versions: python {info['python']}, numpy {info['numpy']}, numba {info['numba']}, "
+        f"torch {info['torch']}, moebalance {info['moebalance']} (planner backend "
+        f"{info['backends']['planner']})",
+        f"command: {info['command']}",
+        f"date: {info['timestamp']}",
+    ]
+
+
+def plot(cases: Sequence[StaticCase], baseline_of: dict[str, str], path: Path) -> None:
+    """Per-device load/speed under the baseline and under moebalance, one layer per case.
+
+    The layer shown is the one whose baseline imbalance is the median over layers.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(cases), 1, figsize=(13, 3.6 * len(cases)), squeeze=False)
+    for ax, case in zip(axes[:, 0], cases):
+        topo, w = case.topology, case.loads
+        base_name = baseline_of[case.cluster]
+        base, ours = case.placements[base_name], case.placements["moebalance"]
+        per_layer = imbalance(w, base, topo)
+        layer = int(np.argsort(per_layer)[len(per_layer) // 2])
+        ideal = w[layer].sum() / topo.speed.sum()
+        x = np.arange(topo.num_devices)
+        before = base.device_loads(w)[layer] / topo.speed / ideal
+        after = ours.device_loads(w)[layer] / topo.speed / ideal
+        ax.bar(x - 0.2, before, width=0.4, color="#c9a27e", label=f"before: {base_name}")
+        ax.bar(x + 0.2, after, width=0.4, color="#2f6f9f", label="after: moebalance")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal")
+        slow = topo.speed < topo.speed.max()
+        if slow.any():
+            ax.axvspan(np.flatnonzero(slow)[0] - 0.5, np.flatnonzero(slow)[-1] + 0.5,
+                       color="grey", alpha=0.08, label="slower devices")
+        ax.set_xlim(-0.8, topo.num_devices - 0.2)
+        ax.set_ylim(0, 1.3 * max(before.max(), after.max()))  # headroom for the legend
+        ax.set_xlabel("device")
+        ax.set_ylabel("load / speed (1 = ideal)")
+        ax.set_title(f"{case.cluster}, {case.skew} skew, layer {layer} (median baseline "
+                     f"imbalance): max {before.max():.2f} before, {after.max():.2f} after")
+        ax.legend(loc="upper right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``moebalance bench`` (shared by the command line and the script)."""
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a fast run: {QUICK['num_layers']} layers, {QUICK['repeats']} repeats, "
+                             f"{QUICK['drift_steps']} drift steps")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help=f"timed calls per method and case (default {FULL['repeats']}, "
+                             f"--quick {QUICK['repeats']})")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help=f"MoE layers of the synthetic model (default {FULL['num_layers']}, "
+                             f"--quick {QUICK['num_layers']})")
+    parser.add_argument("--drift-steps", type=positive_int, default=None,
+                        help=f"re-plans per drift sequence (default {FULL['drift_steps']}, "
+                             f"--quick {QUICK['drift_steps']})")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the synthetic loads")
+    parser.add_argument("--workload", choices=("synthetic", "trace", "all"), default="all",
+                        help="synthetic loads, the shipped router trace, or both (default: all; "
+                             "the trace is skipped with a note when none ships)")
+    parser.add_argument("--trace", default="mixtral", metavar="NAME",
+                        help="which shipped trace to replay (default: mixtral)")
+    parser.add_argument("--out", default="bench-out", metavar="DIR",
+                        help="folder for results.json, summary.md and plot.png (default: ./bench-out)")
+
+
+def _set_one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if has_numba():
+        import numba
+
+        numba.set_num_threads(1)
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal, nothing in logs and pipes
+    return tqdm(total=total, desc="bench", unit="case", file=sys.stderr,
+                disable=True if quiet else None, leave=False)
+
+
+def _synthetic_plan(args) -> list[tuple]:
+    """(label, callable) tasks of the synthetic workload, in table order."""
+    L = args.layers
+    loads = {skew: workloads.synthetic_loads(skew, args.seed, num_layers=L,
+                                             num_experts=MODEL["num_experts"],
+                                             num_groups=MODEL["num_groups"], top_k=MODEL["top_k"],
+                                             tokens=MODEL["tokens"])
+             for skew in workloads.SKEWS}
+    groups = MODEL["num_groups"]
+    tasks = []
+    for name in STATIC_CLUSTERS:
+        topo = workloads.cluster(name).topology()
+        for skew in workloads.SKEWS:
+            tasks.append(("static", lambda name=name, topo=topo, skew=skew: run_static(
+                "synthetic", name, skew, topo, loads[skew], groups, args.repeats)))
+    for name in DRIFT_CLUSTERS:
+        topo = workloads.cluster(name).topology()
+        for k, rel in enumerate(DRIFT_RELS):
+            seq = [loads["moderate"]]
+            for step in range(args.drift_steps):
+                seq.append(workloads.drift(seq[-1], rel, seed=args.seed * 1_000 + 100 * k + step))
+            tasks.append(("drift", lambda name=name, topo=topo, rel=rel, seq=seq: run_drift(
+                "synthetic", name, "moderate", topo, seq, groups, rel)))
+    return tasks
+
+
+def _trace_plan(args, counts_TLE: np.ndarray, meta: dict) -> tuple[list[tuple], int]:
+    """Tasks replaying the router trace, and the window length in steps: window means are the
+    loads; consecutive windows are the re-plans of the replay."""
+    steps, _, E = counts_TLE.shape
+    windows = min(steps, args.drift_steps + 1)
+    size = steps // windows
+    seq = [counts_TLE[i * size:(i + 1) * size].mean(axis=0) for i in range(windows)]
+    groups = int(meta.get("num_groups", 1)) or 1
+    tasks = []
+    for c in workloads.trace_clusters(E):
+        topo = c.topology()
+        tasks.append(("static", lambda c=c, topo=topo: run_static(
+            f"trace:{args.trace}", c.name, "trace", topo, seq[0], groups, args.repeats)))
+        if len(seq) > 1:  # a trace of one step has nothing to replay
+            tasks.append(("drift", lambda c=c, topo=topo: run_drift(
+                f"trace:{args.trace}", c.name, "trace", topo, seq, groups, None)))
+    return tasks, size
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark described by parsed ``args``; print the table; write the files.
+
+    ``argv`` is the command line to record (default ``sys.argv``).
+    """
+    preset = QUICK if args.quick else FULL
+    args.repeats = args.repeats or preset["repeats"]
+    args.layers = args.layers or preset["num_layers"]
+    args.drift_steps = args.drift_steps or preset["drift_steps"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).name == "__main__.py":
+        argv = ["python", "-m", "moebalance", *argv[1:]]
+    elif argv and Path(argv[0]).name == "moebalance":
+        argv = ["moebalance", *argv[1:]]
+    _set_one_thread()
+
+    notes: list[str] = []
+    tasks: list[tuple] = []
+    if args.workload in ("synthetic", "all"):
+        tasks += _synthetic_plan(args)
+    if args.workload in ("trace", "all"):
+        try:
+            counts, meta = workloads.trace_loads(args.trace)
+        except FileNotFoundError as exc:
+            if args.workload == "trace":
+                raise UsageError(f"--workload trace: {exc}") from None
+            notes.append(f"trace workload skipped: {exc}")
+        else:
+            trace_tasks, window = _trace_plan(args, counts, meta)
+            tasks += trace_tasks
+            notes.append(f"trace {args.trace!r} ({meta.get('model', 'model not recorded')}): "
+                         f"{counts.shape[0]} steps x {counts.shape[1]} layers x {counts.shape[2]} "
+                         f"experts; loads are means over windows of {window} steps, the replay "
+                         f"re-plans on each following window")
+
+    print(f"moebalance planner benchmark: one thread (torch and numba set to 1), planner backend "
+          f"{backend('planner')}; synthetic model {args.layers} layers x {MODEL['num_experts']} "
+          f"experts in {MODEL['num_groups']} groups, {MODEL['tokens']} tokens x top-"
+          f"{MODEL['top_k']} per step; {args.repeats} timed repeats (median), "
+          f"{args.drift_steps} re-plans per drift sequence; seed {args.seed}", flush=True)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    dropins: list[dict] = []
+    cases: list[StaticCase] = []
+    with _progress(len(tasks), quiet=False) as bar:
+        for kind, task in tasks:
+            if kind == "static":
+                new_rows, case, dropin = task()
+                cases.append(case)
+                if dropin is not None:
+                    dropins.append(dropin)
+            else:
+                new_rows = task()
+            rows += new_rows
+            bar.update(1)
+    elapsed = time.perf_counter() - started
+
+    info = machine_info(argv)
+    table = format_text(COLUMNS, table_cells(rows))
+    print()
+    print(table)
+    print(textwrap.fill(LEGEND, width=100, break_on_hyphens=False))
+    if dropins:
+        print("\nEPLB drop-in: moebalance.rebalance_experts vs DeepSeek EPLB, same arguments")
+        print(format_text(DROPIN_COLUMNS, dropin_cells(dropins)))
+    for line in notes:
+        print(f"note: {line}")
+    print()
+    for line in machine_lines(info):
+        print(line)
+
+    baseline_of = {r.scenario: r.method for r in rows if r.method != "moebalance"}
+    shown = [c for c in cases if c.cluster in PLOT_CLUSTERS and c.skew == "heavy"]
+    if shown:
+        plot(shown, baseline_of, out / "plot.png")
+
+    config = {"quick": args.quick, "repeats": args.repeats, "num_layers": args.layers,
+              "drift_steps": args.drift_steps, "seed": args.seed, "workload": args.workload,
+              "trace": args.trace, "model": MODEL,
+              "skews": {k: asdict(v) for k, v in workloads.SKEWS.items()},
+              "clusters": {c.name: c.description for c in
+                           [workloads.cluster(n) for n in STATIC_CLUSTERS]},
+              "drift_rels": list(DRIFT_RELS), "wall_s": round(elapsed, 2)}
+    (out / "results.json").write_text(json.dumps(
+        {"machine": info, "config": config, "rows": [asdict(r) for r in rows],
+         "dropin": dropins, "notes": notes}, indent=2) + "\n", encoding="utf-8")
+    md = ["# moebalance planner benchmark", "", *[f"- {x}" for x in machine_lines(info)],
+          f"- model: {args.layers} layers x {MODEL['num_experts']} experts, "
+          f"{MODEL['tokens']} tokens x top-{MODEL['top_k']} per step; skews "
+          + ", ".join(f"{k} (Zipf s={v.zipf_exponent})" for k, v in workloads.SKEWS.items()),
+          f"- plan ms: median of {args.repeats} warm calls, one thread; drift rows: mean over "
+          f"{args.drift_steps} re-plans (moves per re-plan), median time", "",
+          format_markdown(COLUMNS, table_cells(rows)), "", LEGEND, ""]
+    if dropins:
+        md += ["## EPLB drop-in", "", "moebalance.rebalance_experts vs DeepSeek EPLB, same arguments.",
+               "", format_markdown(DROPIN_COLUMNS, dropin_cells(dropins)), ""]
+    md += [f"- note: {x}" for x in notes]
+    (out / "summary.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'}"
+          + (f", {out / 'plot.png'}" if shown else "") + f" ({elapsed:.1f} s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``moebalance bench`` as a function; ``argv`` excludes the program name."""
+    parser = ArgumentParser(prog="moebalance bench", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_guarded(lambda: run(args), prog="moebalance bench")

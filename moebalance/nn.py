@@ -1,0 +1,416 @@
+"""Expert-parallel MoE layer, and the dense single-device layer it must equal.
+
+:class:`ExpertParallelMoE` holds the expert slots of *this* rank only (``experts.gate_up
+[Ls, 2F, D]``, ``experts.down [Ls, D, F]``, slot i holding the logical expert
+``placement.phy2log[layer, first local slot + i]``) and a router replicated on every rank. Its
+forward routes, dispatches the token rows to replicas by the placement's token shares, runs the
+SwiGLU experts of each local slot and combines. :class:`DenseMoE` is the same layer on one device,
+a plain loop over experts; with equal weights the two give equal outputs and gradients under any
+placement and any world size (DESIGN invariant 2).
+
+Replicas start identical and stay identical when every rank calls
+:func:`reduce_replica_gradients` (or the method of the same name) after backward and before the
+optimizer step: it sums the gradients of each expert's replicas, so every replica receives the
+gradient of the whole logical expert, and sums the router's gradient over the ranks.
+
+Legend: T tokens, D hidden size, F expert hidden size, E logical experts, K top-k, Ls slots on
+this rank, M rows this rank's slots receive, R experts of the layer with more than one replica,
+G ranks of the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .dispatch.dispatcher import Dispatcher
+from .placement import Placement
+
+__all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients"]
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator for parameter block ``index`` (0: router, e + 1: expert e) of ``seed``.
+
+    Each logical expert's initial weights depend on (seed, expert) alone, so all its replicas,
+    on any rank, start identical, and a DenseMoE with the same seed holds the same experts.
+    """
+    gen = torch.Generator()
+    gen.manual_seed((int(seed) * 1_000_003 + int(index)) % (1 << 63))
+    return gen
+
+
+def _uniform_(param: torch.Tensor, bound: float, gen: torch.Generator) -> None:
+    values = torch.rand(param.shape, generator=gen, dtype=torch.float64) * (2 * bound) - bound
+    with torch.no_grad():
+        param.copy_(values.to(dtype=param.dtype, device=param.device))
+
+
+def _draw_seed() -> int:
+    """A seed from torch's global generator (so layers built in turn differ)."""
+    return int(torch.randint(0, 1 << 62, (1,)).item())
+
+
+def swiglu(x_MD: torch.Tensor, gate_up_2FD: torch.Tensor, down_DF: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: ``down @ (silu(gate @ x) * (up @ x))`` with gate, up = rows of gate_up.
+
+    Args:
+        x_MD: [M, D] input rows.
+        gate_up_2FD: [2F, D], gate rows first, then up rows (the transformers layout).
+        down_DF: [D, F].
+
+    Returns:
+        y_MD: [M, D].
+    """
+    gate, up = F.linear(x_MD, gate_up_2FD).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_DF)
+
+
+class TopKRouter(nn.Module):
+    """Softmax top-k router, replicated on every rank.
+
+    Args:
+        hidden_size: D.
+        num_experts: E.
+        top_k: K, experts per token (1 <= K <= E).
+        norm_topk_prob: renormalise the K chosen probabilities to sum to 1.
+
+    Forward: ``hidden_states [..., D]`` -> ``(router_logits [T, E], topk_weights [T, K],
+    topk_ids [T, K] int64)`` with T the product of the leading dims, like the routers of
+    transformers 5.x MoE models; ``moebalance.attach()`` hooks it and records ``topk_ids``.
+    """
+
+    moebalance_router = True   # marks the class for moebalance.attach()
+    _moebalance_router = True
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool = True) -> None:
+        super().__init__()
+        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
+        self.num_experts = _positive_int(num_experts, "num_experts")
+        self.top_k = _positive_int(top_k, "top_k")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}; choose top_k <= "
+                             f"num_experts")
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        self.reset_parameters(0)
+
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise ``weight [E, D]`` uniformly in +-1/sqrt(D) from ``seed``."""
+        _uniform_(self.weight, self.hidden_dim ** -0.5, _generator(seed, 0))
+
+    def forward(self, hidden_states: torch.Tensor):
+        x_TD = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(x_TD, self.weight)
+        # Softmax in at least float32 (bf16 logits), float64 stays float64.
+        probs = F.softmax(router_logits, dim=-1,
+                          dtype=torch.promote_types(router_logits.dtype, torch.float32))
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return router_logits, topk_weights.to(router_logits.dtype), topk_ids
+
+
+class SlotExperts(nn.Module):
+    """SwiGLU experts stored by slot: ``gate_up [slots, 2F, D]``, ``down [slots, D, F]``.
+
+    Every parameter has the slot as its leading dim, so a new placement changes which expert's
+    numbers sit in a row, never a shape (the optimizer keeps its references).
+    """
+
+    def __init__(self, num_slots: int, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.num_slots = _positive_int(num_slots, "num_slots")
+        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
+        self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self.gate_up = nn.Parameter(torch.empty(self.num_slots, 2 * self.ffn_dim, self.hidden_dim))
+        self.down = nn.Parameter(torch.empty(self.num_slots, self.hidden_dim, self.ffn_dim))
+
+    def init_slot(self, slot: int, seed: int, expert: int) -> None:
+        """Initialise ``slot`` with logical expert ``expert``'s weights for ``seed``."""
+        gen = _generator(seed, expert + 1)
+        _uniform_(self.gate_up[slot], self.hidden_dim ** -0.5, gen)
+        _uniform_(self.down[slot], self.ffn_dim ** -0.5, gen)
+
+    def forward(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
+        """Apply slot i to its contiguous rows.
+
+        Args:
+            x_MD: [M, D], rows grouped by slot.
+            tokens_per_slot: [slots] ints summing to M, rows of each slot.
+
+        Returns:
+            y_MD: [M, D].
+        """
+        # Empty slots still run (on zero rows) so that the output always depends on the
+        # parameters: every rank then joins the backward exchanges, even one that got no rows.
+        chunks = torch.split(x_MD, list(tokens_per_slot))
+        return torch.cat([swiglu(rows, self.gate_up[s], self.down[s])
+                          for s, rows in enumerate(chunks)])
+
+
+class DenseMoE(nn.Module):
+    """Single-device SwiGLU MoE layer: the reference :class:`ExpertParallelMoE` must equal.
+
+    Args:
+        hidden_size: D. ffn_hidden_size: F. num_experts: E. top_k: K.
+        norm_topk_prob: renormalise the chosen router probabilities.
+        seed: initial weights (router and each expert) from this seed; None draws it from
+            torch's global generator.
+
+    Attributes: ``router`` (:class:`TopKRouter`), ``experts`` (:class:`SlotExperts` with slot e
+    holding expert e: ``gate_up [E, 2F, D]``, ``down [E, D, F]``).
+
+    Forward: ``hidden_states [..., D] -> [..., D]``, a plain loop over experts.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
+                 norm_topk_prob: bool = True, seed: int | None = None) -> None:
+        super().__init__()
+        self.router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = SlotExperts(num_experts, hidden_size, ffn_hidden_size)
+        self.reset_parameters(seed)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        seed = _draw_seed() if seed is None else int(seed)
+        self.router.reset_parameters(seed)
+        for e in range(self.num_experts):
+            self.experts.init_slot(e, seed, e)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        D = self.router.hidden_dim
+        if hidden_states.shape[-1] != D:
+            raise ValueError(f"hidden_states must have shape [..., {D}], got {tuple(hidden_states.shape)}")
+        x_TD = hidden_states.reshape(-1, D)
+        _, topk_weights, topk_ids = self.router(x_TD)
+        out = torch.zeros_like(x_TD)
+        for e in range(self.num_experts):
+            token, k = torch.where(topk_ids == e)
+            y = swiglu(x_TD[token], self.experts.gate_up[e], self.experts.down[e])
+            out = out.index_add(0, token, y * topk_weights[token, k].unsqueeze(1))
+        return out.reshape(hidden_states.shape)
+
+
+class ExpertParallelMoE(nn.Module):
+    """SwiGLU MoE layer whose experts are spread over the ranks of a group by a placement.
+
+    Args:
+        hidden_size: D. ffn_hidden_size: F. num_experts: E. top_k: K.
+        placement: the :class:`~moebalance.Placement` (its ``num_devices`` equals the group size;
+            rank r holds the slots of device r).
+        layer: this layer's index in the placement.
+        group: the expert-parallel process group (None: the default group, or a single process
+            when torch.distributed is not initialised).
+        router: a module mapping ``x [T, D]`` to ``(router_logits [T, E], topk_weights [T, K],
+            topk_ids [T, K])``; default a :class:`TopKRouter`. It must be identical on all ranks.
+        norm_topk_prob: for the default router.
+        seed: initial weights from this seed (expert e gets the weights ``DenseMoE(seed=seed)``
+            gives it); None draws a seed from rank 0's global generator and broadcasts it, a
+            construction-time collective.
+
+    Attributes: ``router``; ``experts`` (:class:`SlotExperts`, ``gate_up [Ls, 2F, D]``,
+    ``down [Ls, D, F]``); ``dispatcher`` (:class:`~moebalance.dispatch.Dispatcher`);
+    ``placement``, ``layer``; ``local_experts`` ([Ls] int64, logical expert of each local slot).
+
+    Gradient sync: call :meth:`reduce_replica_gradients` (or the module-level
+    :func:`reduce_replica_gradients` for a whole model, one all-reduce for all its layers) on
+    every rank after backward and before ``optimizer.step()``. Keep the experts out of any
+    data-parallel wrapper: DDP would average each slot with whatever unrelated expert the other
+    ranks hold in the same slot row.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
+                 *, norm_topk_prob: bool = True, seed: int | None = None) -> None:
+        super().__init__()
+        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
+        self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self.num_experts = _positive_int(num_experts, "num_experts")
+        self.top_k = _positive_int(top_k, "top_k")
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a moebalance.Placement, got {type(placement).__name__}")
+        if placement.num_experts != self.num_experts:
+            raise ValueError(f"placement has {placement.num_experts} experts but num_experts="
+                             f"{num_experts}; plan the placement for this layer's experts")
+        self.dispatcher = Dispatcher(group)
+        if router is None:
+            router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        elif not isinstance(router, nn.Module):
+            raise TypeError(f"router must be a torch.nn.Module returning (router_logits, "
+                            f"topk_weights, topk_ids), got {type(router).__name__}")
+        self.router = router
+        local = self.dispatcher.local_slots(placement, layer)
+        self.experts = SlotExperts(len(local), hidden_size, ffn_hidden_size)
+        self._set_placement(placement, layer)
+        self.reset_parameters(seed)
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def _set_placement(self, placement: Placement, layer: int) -> None:
+        """Adopt ``placement`` for routing and gradient sync (slot storage keeps its shape)."""
+        local = self.dispatcher.local_slots(placement, layer)
+        if len(local) != self.experts.num_slots:
+            raise ValueError(f"placement gives rank {self.dispatcher.rank} {len(local)} slots but "
+                             f"this layer stores {self.experts.num_slots}; placements must keep "
+                             f"the topology's slots")
+        self.placement = placement
+        self.layer = int(layer)
+        self.local_experts = placement.phy2log[layer, local.start:local.stop].copy()
+        replicas_E = placement.replicas[layer]
+        replicated = np.flatnonzero(replicas_E > 1)             # [R], same on every rank
+        row_of_expert = np.full(self.num_experts, -1, dtype=np.int64)
+        row_of_expert[replicated] = np.arange(replicated.size)
+        local_rows = row_of_expert[self.local_experts]
+        held = np.flatnonzero(local_rows >= 0)
+        self._num_replicated = int(replicated.size)
+        self._sync_slots = torch.from_numpy(held)                # local slots of replicated experts
+        self._sync_rows = torch.from_numpy(local_rows[held])     # their rows in the [R, ...] buffer
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise the default router and every local slot from ``seed`` (see the class)."""
+        if seed is None:
+            seed = _draw_seed()
+            if self.dispatcher.world_size > 1:
+                box = [seed]
+                dist.broadcast_object_list(box, group_src=0, group=self.dispatcher.group)
+                seed = int(box[0])
+        if isinstance(self.router, TopKRouter):
+            self.router.reset_parameters(seed)
+        for slot, expert in enumerate(self.local_experts.tolist()):
+            self.experts.init_slot(slot, seed, expert)
+
+    @classmethod
+    def from_dense(cls, dense: DenseMoE, placement: Placement, layer: int = 0,
+                   group=None) -> "ExpertParallelMoE":
+        """The expert-parallel layer holding ``dense``'s weights: slot i copies its expert's.
+
+        Args:
+            dense: a :class:`DenseMoE` (identical on every rank).
+            placement, layer, group: as in the constructor.
+        """
+        if not isinstance(dense, DenseMoE):
+            raise TypeError(f"dense must be a moebalance.nn.DenseMoE, got {type(dense).__name__}")
+        router = dense.router
+        moe = cls(router.hidden_dim, dense.experts.ffn_dim, router.num_experts, router.top_k,
+                  placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0)
+        moe.to(device=router.weight.device, dtype=router.weight.dtype)
+        experts = torch.from_numpy(moe.local_experts).to(router.weight.device)
+        with torch.no_grad():
+            moe.router.weight.copy_(router.weight)
+            moe.experts.gate_up.copy_(dense.experts.gate_up.index_select(0, experts))
+            moe.experts.down.copy_(dense.experts.down.index_select(0, experts))
+        return moe
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
+            raise ValueError(f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
+                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
+        x_TD = hidden_states.reshape(-1, self.hidden_dim)
+        _, topk_weights, topk_ids = self.router(x_TD)
+        recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
+                                                   self.layer)
+        y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
+        return self.dispatcher.combine(y_MD, handle).reshape(hidden_states.shape)
+
+    # -- gradient sync --------------------------------------------------------------------------
+
+    def reduce_replica_gradients(self, include_router: bool = True) -> None:
+        """Sum replica gradients (and the router's) over the group; see :func:`reduce_replica_gradients`."""
+        reduce_replica_gradients(self, include_router=include_router)
+
+    def _gradient_parts(self, include_router: bool):
+        """[(flat gradient buffer, write_back(reduced buffer))] for one all-reduce over the group.
+
+        Experts: a [R, 2F*D + D*F] buffer whose row r is filled by the rank(s) holding replicated
+        expert r (zeros elsewhere); after the sum each replica reads its expert's row back.
+        Router: its gradients, flattened.
+        """
+        parts = []
+        ex = self.experts
+        if self._num_replicated:
+            device = ex.gate_up.device
+            slots = self._sync_slots.to(device)
+            rows = self._sync_rows.to(device)
+            n_gu = ex.gate_up[0].numel()
+            buf = torch.zeros(self._num_replicated, n_gu + ex.down[0].numel(),
+                              dtype=ex.gate_up.dtype, device=device)
+            for param, cols in ((ex.gate_up, slice(0, n_gu)), (ex.down, slice(n_gu, None))):
+                if param.grad is not None:
+                    buf[rows, cols] = param.grad.index_select(0, slots).flatten(1).to(buf.dtype)
+
+            def write_experts(reduced, slots=slots, rows=rows, n_gu=n_gu):
+                reduced = reduced.view(self._num_replicated, -1)
+                for param, cols in ((ex.gate_up, slice(0, n_gu)), (ex.down, slice(n_gu, None))):
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    param.grad[slots] = reduced[rows, cols].view(-1, *param.shape[1:]).to(param.grad.dtype)
+
+            parts.append((buf.reshape(-1), write_experts))
+        if include_router:
+            for param in self.router.parameters():
+                if not param.requires_grad:
+                    continue
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+
+                def write_router(reduced, param=param):
+                    param.grad = reduced.view_as(param).clone()
+
+                parts.append((grad.reshape(-1), write_router))
+        return parts
+
+
+def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) -> None:
+    """Make every expert replica's gradient the gradient of its whole logical expert.
+
+    Call on every rank of the expert-parallel group, after ``backward()`` and before
+    ``optimizer.step()``, with the same ``module`` structure everywhere (it runs collectives).
+    For each :class:`ExpertParallelMoE` inside ``module``:
+
+    * experts with more than one replica: the gradients of their replicas are summed over the
+      ranks that hold them, so replicas that start identical stay identical under any
+      deterministic optimizer (SGD, Adam, ...); experts with one replica need nothing;
+    * the router (replicated on every rank, like data-parallel weights), when ``include_router``:
+      its gradient is summed over the ranks. In a data-parallel job whose DDP already reduces the
+      router, pass ``include_router=False``; note DDP averages where this sums (scale the loss).
+
+    Layers sharing a process group and dtype go into one flat all-reduce (SUM).
+
+    Cost per step, per layer: an all-reduce of ``R * 3 * D * F`` expert elements plus the router's
+    ``E * D``, where R is the number of experts of the layer with more than one replica; a ring
+    all-reduce sends about ``2 * (G - 1) / G`` times that many elements (times the element size in
+    bytes) from every rank. The buffer is dense over all replicated experts, so ranks also carry
+    rows of experts they do not hold; with few replicated experts (the usual case: R << E) that
+    is cheaper than one collective per replica set.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    buckets: dict = {}
+    for layer in module.modules():
+        if not isinstance(layer, ExpertParallelMoE) or layer.dispatcher.world_size == 1:
+            continue
+        for flat, write_back in layer._gradient_parts(include_router):
+            key = (id(layer.dispatcher.group), flat.dtype, flat.device)
+            group_parts = buckets.setdefault(key, (layer.dispatcher.group, []))[1]
+            group_parts.append((flat, write_back))
+    for group, parts in buckets.values():
+        buffer = torch.cat([flat for flat, _ in parts])
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        for chunk, (_, write_back) in zip(buffer.split([flat.numel() for flat, _ in parts]), parts):
+            write_back(chunk)

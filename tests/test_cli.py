@@ -1,0 +1,258 @@
+"""The moebalance command: the quick benchmark, plan/inspect round trips and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from moebalance import Placement, Topology, cli, imbalance, summary_imbalance
+from moebalance.benchmarks import planner as bench
+from moebalance.workloads import SKEWS
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """Run ``moebalance argv`` in this process; return (exit status, stdout, stderr)."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as exc:  # argparse exits on usage errors, --help and --version
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def loads_file(tmp_path):
+    w = np.random.default_rng(0).gamma(0.6, 100.0, size=(3, 16))
+    path = tmp_path / "loads.npy"
+    np.save(path, w)
+    return path, w
+
+
+# -- bench ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quick_bench(tmp_path_factory):
+    """One ``python -m moebalance bench --quick`` run shared by the bench tests."""
+    out = tmp_path_factory.mktemp("bench-out")
+    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_bench_quick_writes_results_summary_and_plot(quick_bench):
+    out, _ = quick_bench
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    assert "| scenario | skew | method | imbalance |" in summary and "one thread" in summary
+    results = json.loads((out / "results.json").read_text())
+    for key in ("cpu", "cores", "python", "numpy", "numba", "torch", "command", "timestamp"):
+        assert results["machine"][key], key
+    assert "--quick" in results["machine"]["command"]
+
+
+def test_bench_quick_has_a_row_per_scenario_skew_and_method(quick_bench):
+    out, _ = quick_bench
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    static = {(r["scenario"], r["skew"], r["method"]) for r in rows if r["kind"] == "static"
+              and r["workload"] == "synthetic"}
+    for name in bench.STATIC_CLUSTERS:
+        baseline = "eplb-style" if name in ("uneven-288", "heterogeneous") else "eplb (hierarchical)"
+        for skew in SKEWS:
+            assert {(name, skew, "moebalance"), (name, skew, baseline)} <= static
+    drift = {(r["scenario"], r["drift"], r["method"]) for r in rows if r["kind"] == "drift"}
+    for name in bench.DRIFT_CLUSTERS:
+        for rel in bench.DRIFT_RELS:
+            assert (name, rel, "moebalance") in drift
+    for r in rows:
+        assert r["imbalance"] >= 1.0 - 1e-9 and r["worst_layer_imbalance"] >= r["imbalance"] - 1e-9
+        assert 0.0 < r["balancedness"] <= 1.0 + 1e-9 and r["plan_ms"] > 0
+        if r["kind"] == "static":
+            assert r["moves"] == r["num_layers"] * r["num_slots"] and r["moves_pct"] == 100.0
+
+
+def test_bench_quick_compares_the_eplb_drop_in_on_homogeneous_clusters(quick_bench):
+    out, _ = quick_bench
+    dropin = [d for d in json.loads((out / "results.json").read_text())["dropin"]
+              if d["workload"] == "synthetic"]
+    assert {(d["scenario"], d["skew"]) for d in dropin} == {
+        (name, skew) for name in ("homogeneous-320", "homogeneous-288") for skew in SKEWS}
+    for d in dropin:
+        assert d["balancedness_dropin"] >= d["balancedness_eplb"] - 1e-9 and d["speedup"] > 0
+
+
+def test_bench_quick_prints_the_table_and_one_thread(quick_bench):
+    _, stdout = quick_bench
+    assert "one thread" in stdout
+    assert "scenario" in stdout and "plan ms" in stdout and "homogeneous-320" in stdout
+
+
+def test_bench_is_the_default_command(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
+    assert run_cli(["--quick", "--out", "somewhere"], capsys)[0] == 0
+    assert seen[0].quick and seen[0].out == "somewhere"
+    assert run_cli([], capsys)[0] == 0 and not seen[1].quick
+
+
+def test_bench_dispatch_hands_the_rest_of_the_line_to_the_dispatch_benchmark(monkeypatch, capsys):
+    received = []
+    fake = types.ModuleType("moebalance.benchmarks.dispatch")
+    fake.main = lambda argv: received.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "moebalance.benchmarks.dispatch", fake)
+    import moebalance.benchmarks as package
+
+    monkeypatch.setattr(package, "dispatch", fake, raising=False)
+    assert run_cli(["bench", "dispatch", "--quick", "--out", "x"], capsys)[0] == 0
+    assert received == [["--quick", "--out", "x"]]
+
+
+def test_bench_dispatch_missing_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "moebalance.benchmarks.dispatch", None)
+    rc, _, err = run_cli(["bench", "dispatch"], capsys)
+    assert rc == 2 and "dispatch benchmark" in err
+
+
+def test_bench_trace_workload_without_a_trace_is_a_usage_error(capsys, tmp_path):
+    rc, _, err = run_cli(["bench", "--workload", "trace", "--trace", "no-such-model",
+                          "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "no-such-model" in err and "Traceback" not in err
+
+
+def test_text_and_markdown_tables_line_up():
+    cells = [["a", "1.000", "12.5"], ["longer name", "10.250", "3.0"]]
+    text = bench.format_text(("name", "x", "ms"), cells).splitlines()
+    assert len({len(line) for line in text}) == 1  # numbers right-aligned to one width
+    md = bench.format_markdown(("name", "x", "ms"), cells).splitlines()
+    assert md[1] == "|---|---:|---:|" and md[2] == "| a | 1.000 | 12.5 |"
+
+
+# -- plan and inspect -----------------------------------------------------------------------------
+
+def test_plan_then_inspect_round_trip(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    out = tmp_path / "p.npz"
+    rc, stdout, err = run_cli(["plan", str(path), "--devices", "4", "--slots", "5",
+                               "--devices-per-node", "2", "--out", str(out)], capsys)
+    assert rc == 0, err
+    topo = Topology.uniform(4, 5, 2)
+    p = Placement.load(out).validate(topo)
+    assert (p.num_layers, p.num_slots, p.num_experts) == (3, 20, 16)
+    assert f"imbalance {summary_imbalance(w, p, topo):.4f}" in stdout
+    assert "60 expert copies" in stdout  # a first placement fills every slot of every layer
+
+    rc, stdout, err = run_cli(["inspect", str(out), "--loads", str(path), "--devices", "4",
+                               "--slots", "5"], capsys)
+    assert rc == 0, err
+    assert "3 layers, 20 slots on 4 devices, 16 experts" in stdout
+    assert "5: 4" in stdout  # slots per device: four devices of five
+    assert "valid: yes" in stdout
+    assert f"imbalance {summary_imbalance(w, p, topo):.4f}" in stdout
+    assert f"worst layer {imbalance(w, p, topo).max():.4f}" in stdout
+
+
+def test_plan_with_previous_reports_moves_and_keeps_the_budget(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    first, second = tmp_path / "a.npz", tmp_path / "b.npz"
+    topo_args = ["--devices", "4", "--slots", "5"]
+    assert run_cli(["plan", str(path), *topo_args, "--out", str(first)], capsys)[0] == 0
+    np.save(path, w * np.random.default_rng(1).uniform(0.5, 1.5, size=w.shape))
+    rc, stdout, err = run_cli(["plan", str(path), *topo_args, "--previous", str(first),
+                               "--max-moves", "3", "--out", str(second)], capsys)
+    assert rc == 0, err
+    moved = Placement.load(second).moves_from(Placement.load(first))
+    assert moved <= 3 and f"moves: {moved} expert copies" in stdout
+
+
+def test_plan_reads_npz_pt_and_a_topology_file(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(2).uniform(1, 100, size=(2, 6))
+    np.savez(tmp_path / "many.npz", steps=np.zeros(3), counts=w)
+    torch.save({"loads": torch.tensor(w)}, tmp_path / "loads.pt")
+    topo = {"speed": [1.0, 0.5, 1.0], "slots": [3, 3, 2], "node": [0, 0, 1]}
+    (tmp_path / "topo.json").write_text(json.dumps(topo))
+    for source in (["many.npz", "--key", "counts"], ["loads.pt"]):
+        out = tmp_path / f"{source[0]}.placement.npz"
+        rc, _, err = run_cli(["plan", str(tmp_path / source[0]), *source[1:], "--topology",
+                              str(tmp_path / "topo.json"), "--out", str(out)], capsys)
+        assert rc == 0, err
+        Placement.load(out).validate(Topology.from_dict(topo))
+
+
+def test_plan_averages_per_step_counts(tmp_path, capsys):
+    steps = np.random.default_rng(3).integers(0, 50, size=(5, 2, 8)).astype(float)
+    np.save(tmp_path / "steps.npy", steps)
+    rc, stdout, err = run_cli(["plan", str(tmp_path / "steps.npy"), "--devices", "2", "--slots",
+                               "5", "--out", str(tmp_path / "p.npz")], capsys)
+    assert rc == 0, err
+    assert "planned 2 layers x 8 experts" in stdout
+
+
+def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, tmp_path, capsys):
+    path, _ = loads_file
+    out = tmp_path / "p.npz"
+    rc, _, _ = run_cli(["plan", str(path), "--devices", "3", "--slots", "7", "--out", str(out)],
+                       capsys)
+    assert rc == 0
+    rc, stdout, _ = run_cli(["inspect", str(out)], capsys)
+    assert rc == 0 and "7: 3" in stdout and "replicas per expert" in stdout
+    assert "imbalance" not in stdout
+
+
+# -- bad input: one line, exit status 2, the argument named ---------------------------------------
+
+@pytest.mark.parametrize("argv, named", [
+    (["plan", "{loads}", "--devices", "0", "--slots", "5"], "--devices"),
+    (["plan", "{loads}", "--devices", "four", "--slots", "5"], "--devices"),
+    (["plan", "{loads}", "--devices", "4"], "--slots"),
+    (["plan", "{loads}", "--slots", "4"], "--devices"),
+    (["plan", "{loads}"], "--devices"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--cluster", "heterogeneous"], "--cluster"),
+    (["plan", "{loads}", "--cluster", "no-such"], "--cluster"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--speed", "-1"], "--speed"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "-3"], "--max-moves"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "3"], "max_moves"),
+    (["plan", "{loads}", "--devices", "2", "--slots", "5"], "slots"),
+    (["plan", "{loads}", "--topology", "{missing}.json"], "--topology"),
+    (["plan", "{missing}.npy", "--devices", "4", "--slots", "5"], "LOADS"),
+    (["plan", "{dir}/loads.csv", "--devices", "4", "--slots", "5"], "LOADS"),
+    (["plan", "{nan}", "--devices", "4", "--slots", "5"], "finite"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--previous", "{loads}"], "--previous"),
+    (["inspect", "{missing}.npz"], "PLACEMENT"),
+    (["inspect", "{loads}"], "PLACEMENT"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--workload", "imaginary"], "--workload"),
+    (["frobnicate"], "frobnicate"),
+    (["bench", "frobnicate"], "frobnicate"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_argument(argv, named, loads_file, tmp_path,
+                                                             capsys):
+    path, w = loads_file
+    bad = w.copy()
+    bad[1, 2] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    names = {"loads": str(path), "missing": str(tmp_path / "missing"), "dir": str(tmp_path),
+             "nan": str(tmp_path / "nan.npy")}
+    rc, _, err = run_cli([a.format(**names) for a in argv], capsys)
+    assert rc == 2
+    assert named in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_arguments_exit_2_from_the_real_command():
+    proc = subprocess.run([sys.executable, "-m", "moebalance", "plan", "x.npy", "--devices", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--devices" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    import moebalance
+
+    rc, out, _ = run_cli(["--version"], capsys)
+    assert rc == 0 and moebalance.__version__ in out

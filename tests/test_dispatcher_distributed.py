@@ -1,0 +1,332 @@
+"""Dispatcher and ExpertParallelMoE on 4 gloo ranks: the math is placement-blind, replicas agree.
+
+All cases run in ONE spawn of 4 ranks (see ``_dist.py``); each is reported as its own test.
+Every rank builds the same dense reference and the same global batch (fixed seeds), keeps its
+slice of the tokens, and compares its part of the expert-parallel result with the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from _dist import case_id, run_cases
+from moebalance.dispatch import Dispatcher
+from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
+from moebalance.placement import Placement
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+D, F = 16, 12
+
+
+# -- helpers (run inside the workers) ---------------------------------------------------------
+
+
+def random_placement(seed: int, num_experts: int, slots_per_rank, num_layers: int = 1,
+                     zero_share: float = 0.2) -> Placement:
+    """Random valid placement: every expert >= 1 replica, none twice on a rank, random shares
+    (some replicas with share 0) summing to 1 per expert."""
+    rng = np.random.default_rng(seed)
+    E, G = num_experts, len(slots_per_rank)
+    slot_device = np.repeat(np.arange(G), slots_per_rank)
+    phy2log = np.zeros((num_layers, len(slot_device)), dtype=np.int64)
+    share = np.zeros_like(phy2log, dtype=np.float64)
+    for layer in range(num_layers):
+        held = [[] for _ in range(G)]
+        for e in rng.permutation(E):                      # every expert once
+            free = [g for g in range(G) if len(held[g]) < slots_per_rank[g]]
+            held[int(rng.choice(free))].append(int(e))
+        for g in range(G):                                # fill the rest with new replicas
+            others = [e for e in range(E) if e not in held[g]]
+            held[g] += rng.choice(others, slots_per_rank[g] - len(held[g]), replace=False).tolist()
+        row = np.concatenate([rng.permutation(h) for h in held])
+        phy2log[layer] = row
+        for e in range(E):
+            slots = np.flatnonzero(row == e)
+            w = rng.random(slots.size) * (rng.random(slots.size) >= zero_share)
+            if w.sum() == 0:
+                w[rng.integers(slots.size)] = 1.0
+            share[layer, slots] = w / w.sum()
+    return Placement(phy2log, share, slot_device, E).validate()
+
+
+def token_range(tokens_per_rank, rank):
+    lo = sum(tokens_per_rank[:rank])
+    return lo, lo + tokens_per_rank[rank]
+
+
+def global_batch(seed: int, num_tokens: int, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, D, generator=gen, dtype=torch.float64)
+    x[:, 0] = 3.0   # a constant feature lets a router weight silence an expert
+    proj = torch.randn(num_tokens, D, generator=gen, dtype=torch.float64)
+    return x.to(dtype), proj.to(dtype)
+
+
+def dense_layer(seed: int, num_experts: int, top_k: int, dtype, dead=()) -> DenseMoE:
+    dense = DenseMoE(D, F, num_experts, top_k, seed=seed).to(dtype)
+    with torch.no_grad():
+        for e in dead:   # logits near -30: never among the top k
+            dense.router.weight[e] = 0.0
+            dense.router.weight[e, 0] = -10.0
+    return dense
+
+
+def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, seed: int,
+                       rtol: float, atol: float) -> ExpertParallelMoE:
+    """Forward + backward on both layers; outputs and every gradient must agree."""
+    rank = dist.get_rank()
+    dtype = dense.router.weight.dtype
+    x_all, proj_all = global_batch(seed, sum(tokens_per_rank), dtype)
+    dense.zero_grad()
+    xd = x_all.clone().requires_grad_()
+    out_d = dense(xd)
+    (out_d * proj_all).sum().backward()
+
+    moe = ExpertParallelMoE.from_dense(dense, placement)
+    lo, hi = token_range(tokens_per_rank, rank)
+    x = x_all[lo:hi].clone().requires_grad_()
+    out = moe(x)
+    (out * proj_all[lo:hi]).sum().backward()
+    moe.reduce_replica_gradients()
+
+    assert_close(out, out_d[lo:hi].detach(), rtol=rtol, atol=atol)
+    assert_close(x.grad, xd.grad[lo:hi], rtol=rtol, atol=atol)
+    assert_close(moe.router.weight.grad, dense.router.weight.grad, rtol=rtol, atol=atol)
+    local = torch.from_numpy(moe.local_experts)
+    assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], rtol=rtol, atol=atol)
+    assert_close(moe.experts.down.grad, dense.experts.down.grad[local], rtol=rtol, atol=atol)
+    return moe
+
+
+def gather_slots(moe: ExpertParallelMoE):
+    """Every rank's (local experts, gate_up, down, router weight), gathered to every rank."""
+    mine = (moe.local_experts.tolist(), moe.experts.gate_up.detach().clone(),
+            moe.experts.down.detach().clone(), moe.router.weight.detach().clone())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def assert_replicas_identical(moe: ExpertParallelMoE) -> None:
+    first: dict = {}
+    everyone = gather_slots(moe)
+    for experts, gate_up, down, router in everyone:
+        assert torch.equal(router, everyone[0][3]), "router weights differ between ranks"
+        for slot, e in enumerate(experts):
+            if e in first:
+                assert torch.equal(gate_up[slot], first[e][0]), f"gate_up replicas of expert {e} differ"
+                assert torch.equal(down[slot], first[e][1]), f"down replicas of expert {e} differ"
+            else:
+                first[e] = (gate_up[slot], down[slot])
+
+
+# -- cases ------------------------------------------------------------------------------------
+
+
+def outputs_and_gradients_match_dense_for_top_k_1_to_8():
+    """Random placements with replicas and uneven shares, uneven slots per rank (3, 5, 2, 4),
+    a rank with no tokens, experts no token picks, fp32 rtol 1e-5."""
+    E, slots, tokens = 8, [3, 5, 2, 4], [6, 0, 9, 4]
+    for k in range(1, 9):
+        dead = list(range(E - 1, E - 1 - min(2, E - k), -1))
+        dense = dense_layer(100 + k, E, k, torch.float32, dead)
+        placement = random_placement(200 + k, E, slots)
+        assert placement.replicas.max() > 1
+        compare_with_dense(dense, placement, tokens, seed=300 + k, rtol=1e-5, atol=1e-6)
+
+
+def outputs_and_gradients_match_dense_when_a_rank_receives_nothing():
+    """Rank 2's only slot holds a replica of share 0; rank 3 has no tokens."""
+    E = 8
+    phy2log = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 4, 6]])
+    share = np.array([[1.0, 0.3, 1, 1, 0.5, 1, 0.0, 1, 0.0, 0.7, 0.5, 1.0]])
+    placement = Placement(phy2log, share, np.repeat(np.arange(4), [4, 4, 1, 3]), E).validate()
+    dense = dense_layer(7, E, 2, torch.float32)
+    moe = compare_with_dense(dense, placement, [5, 3, 4, 0], seed=8, rtol=1e-5, atol=1e-6)
+    # The layer above ran with rank 2 receiving no rows; check that it really did.
+    x = torch.randn(4, D)
+    _, w, ids = moe.router(x)
+    _, handle = moe.dispatcher.dispatch(x, ids, w, placement, 0)
+    if dist.get_rank() == 2:
+        assert handle.tokens_per_local_slot == [0]
+
+
+def outputs_and_gradients_match_dense_in_float64_with_two_layers():
+    E, slots, tokens = 12, [4, 6, 3, 5], [7, 5, 0, 6]
+    placement = random_placement(31, E, slots, num_layers=2)
+    for layer in range(2):
+        dense = dense_layer(40 + layer, E, 3, torch.float64)
+        x_all, proj_all = global_batch(50 + layer, sum(tokens), torch.float64)
+        xd = x_all.clone().requires_grad_()
+        (dense(xd) * proj_all).sum().backward()
+        moe = ExpertParallelMoE.from_dense(dense, placement, layer=layer)
+        lo, hi = token_range(tokens, dist.get_rank())
+        x = x_all[lo:hi].clone().requires_grad_()
+        out = moe(x)
+        (out * proj_all[lo:hi]).sum().backward()
+        reduce_replica_gradients(moe)
+        assert_close(out, dense(x_all)[lo:hi].detach(), rtol=1e-12, atol=1e-13)
+        assert_close(x.grad, xd.grad[lo:hi], rtol=1e-12, atol=1e-13)
+        local = torch.from_numpy(moe.local_experts)
+        assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], rtol=1e-12, atol=1e-13)
+        assert_close(moe.router.weight.grad, dense.router.weight.grad, rtol=1e-12, atol=1e-13)
+
+
+def rows_reach_a_replica_of_their_expert():
+    """Scaling each local slot's rows by (its expert + 1) must give sum_k w * (e_k + 1) * x."""
+    rank = dist.get_rank()
+    E, K, T = 8, 3, 11 + 2 * rank
+    placement = random_placement(9, E, [2, 4, 3, 5])
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, D, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=gen)
+    dispatcher = Dispatcher()
+    recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+    assert recv.shape == (handle.num_recv_rows, D)
+    lo = dispatcher.local_slots(placement).start
+    experts = placement.phy2log[0, lo:lo + len(handle.tokens_per_local_slot)]
+    scale = torch.repeat_interleave(torch.tensor(experts + 1.0, dtype=torch.float32),
+                                    torch.tensor(handle.tokens_per_local_slot))
+    out = dispatcher.combine(recv * scale[:, None], handle)
+    expected = ((w * (ids + 1).float()).sum(1))[:, None] * x
+    assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def replica_token_counts_follow_shares():
+    """Summed over ranks, replica j of expert e receives share[j] of e's pairs."""
+    E, K, T = 6, 2, 3000
+    placement = random_placement(11, E, [3, 2, 4, 3], zero_share=0.3)
+    gen = torch.Generator().manual_seed(50 + dist.get_rank())
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    dispatcher = Dispatcher()
+    _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
+    received = [None] * WORLD
+    dist.all_gather_object(received, handle.tokens_per_local_slot)
+    per_slot = np.concatenate(received)
+    pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
+    dist.all_reduce(pairs_E)
+    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
+    s = placement.share[0]
+    assert np.all(per_slot[s == 0] == 0), "a replica with share 0 received pairs"
+    tolerance = 5 * np.sqrt(expected * (1 - s)) + 2
+    assert np.all(np.abs(per_slot - expected) <= tolerance), (per_slot, expected)
+
+
+def all_ranks_without_tokens_give_empty_outputs_and_gradients():
+    dense = dense_layer(3, 8, 2, torch.float32)
+    placement = random_placement(4, 8, [3, 3, 3, 3])
+    moe = ExpertParallelMoE.from_dense(dense, placement)
+    x = torch.zeros(0, D, requires_grad=True)
+    out = moe(x)
+    out.sum().backward()
+    moe.reduce_replica_gradients()
+    assert out.shape == (0, D) and x.grad.shape == (0, D)
+    assert torch.count_nonzero(moe.experts.gate_up.grad) == 0
+
+
+def replicas_identical_after_optimizer_steps():
+    """SGD with momentum and AdamW: replicas equal bit for bit, weights track the dense layer."""
+    E, slots, tokens = 8, [4, 3, 5, 2], [5, 7, 0, 6]
+    placement = random_placement(21, E, slots)
+    for opt_name in ("sgd", "adamw"):
+        dense = dense_layer(22, E, 2, torch.float32)
+        moe = ExpertParallelMoE.from_dense(dense, placement)
+
+        def make(params):
+            if opt_name == "sgd":
+                return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+        opt_d, opt_m = make(dense.parameters()), make(moe.parameters())
+        lo, hi = token_range(tokens, dist.get_rank())
+        for step in range(3):
+            x_all, proj_all = global_batch(500 + step, sum(tokens), torch.float32)
+            opt_d.zero_grad()
+            (dense(x_all) * proj_all).sum().backward()
+            opt_d.step()
+            opt_m.zero_grad()
+            (moe(x_all[lo:hi]) * proj_all[lo:hi]).sum().backward()
+            moe.reduce_replica_gradients()
+            opt_m.step()
+        assert_replicas_identical(moe)
+        local = torch.from_numpy(moe.local_experts)
+        assert_close(moe.experts.gate_up.detach(), dense.experts.gate_up.detach()[local],
+                     rtol=1e-4, atol=1e-5)
+        assert_close(moe.router.weight.detach(), dense.router.weight.detach(), rtol=1e-4, atol=1e-5)
+
+
+def construction_gives_identical_replicas_even_with_different_rank_seeds():
+    torch.manual_seed(1000 + dist.get_rank())      # ranks disagree on the global generator
+    placement = random_placement(5, 8, [3, 4, 2, 3])
+    moe = ExpertParallelMoE(D, F, 8, 2, placement)
+    assert_replicas_identical(moe)
+    seeded = ExpertParallelMoE(D, F, 8, 2, placement, seed=77)
+    dense = DenseMoE(D, F, 8, 2, seed=77)
+    local = torch.from_numpy(seeded.local_experts)
+    assert torch.equal(seeded.experts.gate_up.detach(), dense.experts.gate_up.detach()[local])
+    assert torch.equal(seeded.router.weight.detach(), dense.router.weight.detach())
+
+
+def bad_input_raises_a_clear_error_on_every_rank():
+    rank = dist.get_rank()
+    E, K, T = 8, 2, 5
+    placement = random_placement(61, E, [2, 3, 2, 2])
+    dispatcher = Dispatcher()
+    x, w = torch.randn(T, D), torch.rand(T, K)
+    ids = torch.randint(0, E, (T, K))
+    bad_ids = ids.clone()
+    if rank == 1:
+        bad_ids[2, 1] = E                          # only rank 1 is wrong; all must raise
+    with pytest.raises(ValueError, match="outside"):
+        dispatcher.dispatch(x, bad_ids, w, placement, 0)
+    with pytest.raises(ValueError, match="topk_weights_TK"):
+        dispatcher.dispatch(x, ids, w[:, :1], placement, 0)
+    with pytest.raises(ValueError, match="topk_ids_TK"):
+        dispatcher.dispatch(x, ids[:-1], w[:-1], placement, 0)
+    with pytest.raises(ValueError, match="x_TD"):
+        dispatcher.dispatch(x[0], ids, w, placement, 0)
+    with pytest.raises(ValueError, match="layer"):
+        dispatcher.dispatch(x, ids, w, placement, 1)
+    two_ranks = random_placement(62, E, [5, 4])
+    with pytest.raises(ValueError, match="4 ranks"):
+        dispatcher.dispatch(x, ids, w, two_ranks, 0)
+    with pytest.raises(ValueError, match="4 ranks"):
+        ExpertParallelMoE(D, F, E, K, two_ranks, seed=0)
+    with pytest.raises(ValueError, match="num_experts"):
+        ExpertParallelMoE(D, F, E + 1, K, placement, seed=0)
+    recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+    with pytest.raises(ValueError, match="y_MD"):
+        dispatcher.combine(recv[1:], handle)
+    # The group is still in step after all the errors above.
+    out = dispatcher.combine(recv, handle)
+    assert_close(out, w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
+
+
+CASES = [
+    outputs_and_gradients_match_dense_for_top_k_1_to_8,
+    outputs_and_gradients_match_dense_when_a_rank_receives_nothing,
+    outputs_and_gradients_match_dense_in_float64_with_two_layers,
+    rows_reach_a_replica_of_their_expert,
+    replica_token_counts_follow_shares,
+    all_ranks_without_tokens_give_empty_outputs_and_gradients,
+    replicas_identical_after_optimizer_steps,
+    construction_gives_identical_replicas_even_with_different_rank_seeds,
+    bad_input_raises_a_clear_error_on_every_rank,
+]
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    return run_cases(CASES, world_size=WORLD)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_on_four_gloo_ranks(dist_results, case):
+    dist_results.check(case)
