@@ -75,7 +75,11 @@ def heap_replace_top(keys, ids, size, key, idx):
     """Replace the top with (key, idx) and restore the heap order (one sift down)."""
     keys[0] = key
     ids[0] = idx
-    i = 0
+    heap_sift_down(keys, ids, size, 0)
+
+
+@kernel
+def heap_sift_down(keys, ids, size, i):
     while True:
         left = 2 * i + 1
         best = i
@@ -106,11 +110,11 @@ def replica_counts(w, num_slots, num_devices, max_piece):
     extra = num_slots - E
     if extra <= 0 or num_devices <= 1:
         return r
-    keys = np.empty(E, dtype=np.float64)
-    ids = np.empty(E, dtype=np.int64)
-    size = 0
-    for e in range(E):
-        size = heap_push(keys, ids, size, w[e], e)
+    keys = w.copy()
+    ids = np.arange(E)
+    size = E
+    for i in range(E // 2 - 1, -1, -1):  # bottom-up heapify, O(E)
+        heap_sift_down(keys, ids, size, i)
     while extra > 0 and size > 0 and keys[0] > max_piece:
         e = ids[0]
         size = heap_pop(keys, ids, size)
