@@ -90,7 +90,6 @@ class TopKRouter(nn.Module):
     """
 
     moebalance_router = True   # marks the class for moebalance.attach()
-    _moebalance_router = True
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True) -> None:
