@@ -101,6 +101,30 @@ def test_compiled_eplb_matches_baseline(rng):
         np.testing.assert_array_equal(got, expected)
 
 
+def test_compiled_eplb_matches_baseline_with_many_gpus_and_spare_slots(rng):
+    # Over SCAN_LIMIT packs or spare slots the kernels switch from scans to heaps: same choices.
+    kernels = eplb._kernels("numba")
+    for num_gpus, num_nodes, num_groups, E, R in ((32, 1, 1, 40, 64), (32, 2, 4, 64, 128),
+                                                  (24, 1, 1, 24, 72)):
+        assert max(num_gpus // num_nodes, R // num_nodes - E // num_nodes) > eplb.SCAN_LIMIT
+        weight = (rng.pareto(1.2, size=(2, E)) * 100).astype(np.float32)
+        weight[:, ::5] = weight[:, 1::5][:, :weight[:, ::5].shape[1]]  # equal loads: ties
+        expected = eplb_baseline(weight, R, num_groups, num_nodes, num_gpus)[0]
+        got = kernels.eplb_layers(weight, R, num_groups, num_nodes, num_gpus)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_scan_and_heap_paths_plan_alike(monkeypatch, rng):
+    # The reference kernels read SCAN_LIMIT when called: with 0 every choice goes through a heap.
+    weight = np.round(rng.pareto(1.0, size=(3, 48)) * 20)  # rounded: many equal loads
+    args = [(64, 4, 2, 8), (64, 3, 2, 8), (96, 1, 1, 8)]
+    scanned = [rebalance_experts(weight, *a, backend="numpy") for a in args]
+    monkeypatch.setattr(eplb, "SCAN_LIMIT", 0)
+    for a, expected in zip(args, scanned):
+        for got, want in zip(rebalance_experts(weight, *a, backend="numpy"), expected):
+            np.testing.assert_array_equal(got, want)
+
+
 # -- the drop-in: conventions --------------------------------------------------------------------
 @given(eplb_configs())
 def test_rebalance_experts_keeps_eplb_conventions(config):

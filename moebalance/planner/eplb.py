@@ -25,7 +25,6 @@ expert, N items of a packing problem.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -50,6 +49,9 @@ SWAP_PARTNERS = 8
 # each (fewer would cost more in hand-offs than they save).
 MAX_THREADS = 8
 MIN_LAYERS_PER_THREAD = 8
+# Below this many bins (packs, GPUs) or spare slots a linear scan finds the lightest bin or the
+# largest load per replica faster than a heap; results are the same either way.
+SCAN_LIMIT = 16
 
 
 # -- input checks ---------------------------------------------------------------------------------
@@ -408,8 +410,8 @@ def placement_from_phy2log(phy2log, num_experts: int, topology: Topology) -> Pla
 @kernel
 def eplb_pack(weight, num_packs, pack_of, rank_of):
     """EPLB's balanced packing of one row: ``weight`` [N] float32 into ``num_packs`` packs;
-    writes ``pack_of`` [N] and ``rank_of`` [N]. A heap finds the lightest pack with room (ties:
-    lowest pack), the same choice as EPLB's scan."""
+    writes ``pack_of`` [N] and ``rank_of`` [N]. The lightest pack with room (ties: lowest pack)
+    is found by a scan over few packs, by a heap over many: the same choice as EPLB's scan."""
     n = weight.shape[0]
     per_pack = n // num_packs
     if per_pack == 1:
@@ -418,36 +420,62 @@ def eplb_pack(weight, num_packs, pack_of, rank_of):
             rank_of[i] = 0
         return
     order = np.argsort(-weight, kind="mergesort")
+    items = np.zeros(num_packs, dtype=np.int64)
+    packed = np.zeros(num_packs, dtype=np.float32)
+    if num_packs <= SCAN_LIMIT:
+        for item in order:
+            p = -1
+            for q in range(num_packs):
+                if items[q] < per_pack and (p < 0 or packed[q] < packed[p]):
+                    p = q
+            pack_of[item] = p
+            rank_of[item] = items[p]
+            items[p] += 1
+            packed[p] += weight[item]  # float32, as EPLB sums
+        return
     keys = np.empty(num_packs, dtype=np.float32)  # minus the pack's weight: lightest on top
     ids = np.empty(num_packs, dtype=np.int64)
     size = 0
     for p in range(num_packs):
         size = heap_push(keys, ids, size, np.float32(0.0), p)
-    items = np.zeros(num_packs, dtype=np.int64)
     for item in order:
         p = ids[0]
-        packed = -keys[0]
         size = heap_pop(keys, ids, size)
         pack_of[item] = p
         rank_of[item] = items[p]
         items[p] += 1
+        packed[p] += weight[item]
         if items[p] < per_pack:
-            size = heap_push(keys, ids, size, -(packed + weight[item]), p)
+            size = heap_push(keys, ids, size, -packed[p], p)
 
 
 @kernel
 def eplb_replicate(weight, num_phy, phy2log, count):
     """EPLB's replication of one row: ``weight`` [N] float32 to ``num_phy`` replicas; writes the
-    expert of every replica ``phy2log`` [num_phy] and ``count`` [N]. A heap finds the largest
-    load per replica (ties: lowest expert), the same choice as EPLB's argmax."""
+    expert of every replica ``phy2log`` [num_phy] and ``count`` [N]. Each spare replica goes to
+    the largest load per replica (ties: lowest expert), EPLB's argmax: found by a scan when
+    there are few spare replicas, by a heap when there are many."""
     n = weight.shape[0]
+    ratio = np.empty(n, dtype=np.float32)
+    for e in range(n):
+        phy2log[e] = e
+        count[e] = 1
+        ratio[e] = weight[e]
+    if num_phy - n <= SCAN_LIMIT:
+        for slot in range(n, num_phy):
+            e = 0
+            for f in range(1, n):
+                if ratio[f] > ratio[e]:
+                    e = f
+            phy2log[slot] = e
+            count[e] += 1
+            ratio[e] = weight[e] / np.float32(count[e])
+        return
     keys = np.empty(n, dtype=np.float32)
     ids = np.empty(n, dtype=np.int64)
     size = 0
     for e in range(n):
-        phy2log[e] = e
-        count[e] = 1
-        size = heap_push(keys, ids, size, weight[e], e)
+        size = heap_push(keys, ids, size, ratio[e], e)
     for slot in range(n, num_phy):
         e = ids[0]
         size = heap_pop(keys, ids, size)
@@ -519,15 +547,28 @@ def eplb_layers(w32_LE, num_replicas, num_groups, num_nodes, num_gpus):
 @kernel
 def eplb_capped_counts(w, num_slots, cap, count):
     """Replicas per item: one each, then every spare slot to the item with the largest load per
-    replica among those with fewer than ``cap`` (ties: lowest item). Needs num_slots <= cap*N."""
+    replica among those with fewer than ``cap`` (ties: lowest item). Needs num_slots <= cap*N.
+    A scan finds that item when there are few spare slots, a heap when there are many."""
     n = w.shape[0]
+    ratio = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        count[i] = 1
+        ratio[i] = w[i]
+    if num_slots - n <= SCAN_LIMIT:
+        for _ in range(num_slots - n):
+            best = -1
+            for i in range(n):
+                if count[i] < cap and (best < 0 or ratio[i] > ratio[best]):
+                    best = i
+            count[best] += 1
+            ratio[best] = w[best] / count[best]
+        return
     keys = np.empty(n, dtype=np.float64)
     ids = np.empty(n, dtype=np.int64)
     size = 0
-    for i in range(n):
-        count[i] = 1
-        if cap > 1:
-            size = heap_push(keys, ids, size, w[i], i)
+    if cap > 1:
+        for i in range(n):
+            size = heap_push(keys, ids, size, ratio[i], i)
     for _ in range(num_slots - n):
         i = ids[0]
         size = heap_pop(keys, ids, size)
@@ -601,7 +642,7 @@ def eplb_align_counts(w, count, num_bins, cap, trim_earlier):
 @kernel
 def eplb_pack_distinct(w, count, num_bins, per_bin, slot_item, has):
     """Replicas heaviest first, each to the lightest bin with a free slot that lacks its item
-    (ties: lowest bin).
+    (ties: lowest bin): a scan over few bins, a heap over many.
 
     A replica no bin can take (every bin with room holds its item already) is dropped from
     ``count``; :func:`eplb_fill_free` later fills the slot it leaves empty.
@@ -617,6 +658,25 @@ def eplb_pack_distinct(w, count, num_bins, per_bin, slot_item, has):
             rep_load[k] = w[i] / count[i]
             k += 1
     order = np.argsort(-rep_load, kind="mergesort")
+    fill = np.zeros(num_bins, dtype=np.int64)
+    load = np.zeros(num_bins, dtype=np.float64)
+    slot_item[:] = -1
+    has[:, :] = False
+    if num_bins <= SCAN_LIMIT:
+        for r in order:
+            i = rep_item[r]
+            best = -1
+            for b in range(num_bins):
+                if fill[b] < per_bin and not has[b, i] and (best < 0 or load[b] < load[best]):
+                    best = b
+            if best < 0:
+                count[i] -= 1
+                continue
+            slot_item[best * per_bin + fill[best]] = i
+            fill[best] += 1
+            has[best, i] = True
+            load[best] += rep_load[r]
+        return
     # Bins with room in a heap keyed by minus their load; bins that hold the item are set aside.
     keys = np.empty(num_bins, dtype=np.float64)
     ids = np.empty(num_bins, dtype=np.int64)
@@ -625,10 +685,6 @@ def eplb_pack_distinct(w, count, num_bins, per_bin, slot_item, has):
     size = 0
     for b in range(num_bins):
         size = heap_push(keys, ids, size, 0.0, b)
-    fill = np.zeros(num_bins, dtype=np.int64)
-    load = np.zeros(num_bins, dtype=np.float64)
-    slot_item[:] = -1
-    has[:, :] = False
     for r in order:
         i = rep_item[r]
         best = -1
@@ -761,11 +817,15 @@ def eplb_bin_load(w, count, per_bin, slot_item, b):
 
 
 @kernel
-def eplb_swap_refine(w, count, num_bins, per_bin, slot_item, has, max_swaps):
-    """Lower the heaviest bin while possible: swap one of its replicas with a lighter replica of
-    one of the ``SWAP_PARTNERS`` lightest bins (neither bin may end with two replicas of one
-    item), taking the swap that leaves the lower of the two bins' new loads. Returns the
-    heaviest bin's load at the end."""
+def eplb_swap_refine(w, count, num_bins, per_bin, slot_item, has, max_swaps, floor):
+    """Lower the heaviest bin while possible, or until it is no heavier than ``floor``: swap
+    one of its replicas with a lighter replica of one of the ``SWAP_PARTNERS`` lightest bins
+    (neither bin may end with two replicas of one item), taking the swap that leaves the lower
+    of the two bins' new loads. Returns the heaviest bin's load at the end.
+
+    A swap with a bin of load ``lo`` leaves at least ``(peak + lo) / 2``: partners are tried
+    lightest first, and the search stops at the first that cannot beat the best swap found.
+    """
     num_slots = num_bins * per_bin
     piece = np.empty(num_slots, dtype=np.float64)  # load of every slot's replica
     for s in range(num_slots):
@@ -782,7 +842,9 @@ def eplb_swap_refine(w, count, num_bins, per_bin, slot_item, has, max_swaps):
         for b in range(1, num_bins):
             if load[b] > load[top]:
                 top = b
-        # The lightest bins other than the top, by insertion (num_partners is small).
+        if load[top] <= floor:
+            break
+        # The lightest bins other than the top, lightest first, by insertion (few partners).
         found = 0
         for b in range(num_bins):
             if b == top:
@@ -802,18 +864,20 @@ def eplb_swap_refine(w, count, num_bins, per_bin, slot_item, has, max_swaps):
         best_cost = peak * (1.0 - MIN_RELATIVE_GAIN)
         best_a = -1
         best_b = -1
-        for a in range(top * per_bin, (top + 1) * per_bin):
-            i = slot_item[a]
-            for p in range(num_partners):
-                other = partners[p]
-                if load[other] >= best_cost or has[other, i]:
+        for p in range(num_partners):
+            other = partners[p]
+            low = load[other]
+            if 0.5 * (peak + low) >= best_cost:
+                break
+            for a in range(top * per_bin, (top + 1) * per_bin):
+                if has[other, slot_item[a]]:
                     continue
                 for s in range(other * per_bin, (other + 1) * per_bin):
                     d = piece[a] - piece[s]
-                    if d <= 0.0 or has[top, slot_item[s]]:
+                    if d <= 0.0:
                         continue
-                    cost = max(peak - d, load[other] + d)
-                    if cost < best_cost:
+                    cost = max(peak - d, low + d)
+                    if cost < best_cost and not has[top, slot_item[s]]:
                         best_cost = cost
                         best_a = a
                         best_b = s
@@ -874,23 +938,24 @@ def eplb_place_groups(w, num_groups, num_nodes, max_swaps, node_experts):
     slot_group = np.empty(num_groups, dtype=np.int64)
     has = np.zeros((num_nodes, num_groups), dtype=np.bool_)
     eplb_pack_distinct(group_w, count, num_nodes, groups_per_node, slot_group, has)
-    eplb_swap_refine(group_w, count, num_nodes, groups_per_node, slot_group, has, max_swaps)
+    eplb_swap_refine(group_w, count, num_nodes, groups_per_node, slot_group, has, max_swaps, 0.0)
     for s in range(num_groups):
         for k in range(group_size):
             node_experts[s * group_size + k] = slot_group[s] * group_size + k
 
 
 @kernel
-def eplb_own_node(w, num_gpus, per_gpu, count, slot_item, has, best_count, best_slot):
+def eplb_own_node(w, num_gpus, per_gpu, count, slot_item, has, best_count, best_slot, bound):
     """The drop-in's own plan of one node, before refinement: experts ``w`` [N] on ``num_gpus``
     GPUs with ``per_gpu`` slots. Replica counts capped at one per GPU, then as they are and with
     the first layer of replicas aligned (:func:`eplb_align_counts`, both ways), each packed
-    without duplicates. Writes the best to ``best_count`` [N] / ``best_slot`` [num_gpus*per_gpu]
-    and returns its hottest GPU load."""
+    without duplicates. The best, if its hottest GPU is lighter than ``bound``, is written to
+    ``best_count`` [N] / ``best_slot`` [num_gpus*per_gpu]; returns the lower of its hottest GPU
+    load and ``bound``."""
     n = w.shape[0]
     base = np.empty(n, dtype=np.int64)
     eplb_capped_counts(w, num_gpus * per_gpu, num_gpus, base)
-    best_peak = np.inf
+    best_peak = bound
     for variant in range(3):
         for i in range(n):
             count[i] = base[i]
@@ -909,10 +974,24 @@ def eplb_own_node(w, num_gpus, per_gpu, count, slot_item, has, best_count, best_
 @kernel
 def eplb_eplb_node(w, num_gpus, per_gpu, plan, count, slot_item, has, best_count, best_slot):
     """EPLB's plan of one node without duplicates, before refinement: ``plan``
-    [num_gpus*per_gpu] (local expert ids, maybe twice on a GPU) with each second copy either
-    swapped into another GPU (:func:`eplb_dedupe`) or dropped and refilled, whichever leaves the
-    lighter hottest GPU. Writes ``best_count`` [N] / ``best_slot``; returns that load, negated
-    when ``plan`` had no duplicates (then the plan is EPLB's unchanged)."""
+    [num_gpus*per_gpu] (local expert ids, maybe twice on a GPU) with each second copy swapped
+    into another GPU (:func:`eplb_dedupe`), or, when that leaves the hottest GPU hotter than in
+    ``plan``, whichever of that and dropping and refilling the copies leaves the lighter
+    hottest GPU. Writes ``best_count`` [N] / ``best_slot``; returns that load, negated when
+    ``plan`` had no duplicates (then the plan is EPLB's unchanged)."""
+    best_count[:] = 0
+    for s in range(plan.shape[0]):
+        best_slot[s] = plan[s]
+        best_count[plan[s]] += 1
+    peak_plan = eplb_peak(w, best_count, num_gpus, per_gpu, best_slot)
+    # Most nodes have no duplicates: a pairwise check inside every GPU (few slots) finds them.
+    duplicates = False
+    for g in range(num_gpus):
+        for a in range(g * per_gpu, (g + 1) * per_gpu):
+            for b in range(a + 1, (g + 1) * per_gpu):
+                duplicates = duplicates or plan[a] == plan[b]
+    if not duplicates:
+        return -peak_plan
     best_peak = np.inf
     for way in range(2):
         count[:] = 0
@@ -920,10 +999,7 @@ def eplb_eplb_node(w, num_gpus, per_gpu, plan, count, slot_item, has, best_count
             slot_item[s] = plan[s]
             count[plan[s]] += 1
         if way == 0:
-            if not eplb_dedupe(w, count, num_gpus, per_gpu, slot_item, has):
-                best_count[:] = count
-                best_slot[:] = slot_item
-                return -eplb_peak(w, count, num_gpus, per_gpu, slot_item)
+            eplb_dedupe(w, count, num_gpus, per_gpu, slot_item, has)
         else:
             eplb_drop_duplicates(count, per_gpu, slot_item, has)
         eplb_fill_free(w, count, per_gpu, slot_item, has)
@@ -932,18 +1008,45 @@ def eplb_eplb_node(w, num_gpus, per_gpu, plan, count, slot_item, has, best_count
             best_peak = peak
             best_count[:] = count
             best_slot[:] = slot_item
+        if best_peak <= peak_plan:
+            break
     return best_peak
+
+
+@kernel
+def eplb_node_input(w, experts, row, n, w_node, plan, local):
+    """Node ``n`` of EPLB's plan in the node's own numbering: loads ``w_node`` [N] of its
+    experts (``experts`` [E] lists them node by node) and ``plan`` [slots per node], the local
+    expert of each of its slots in ``row`` [R]; ``local`` [E] is scratch. Returns the node's
+    total load."""
+    per_node = w_node.shape[0]
+    slots_per_node = plan.shape[0]
+    total = 0.0
+    for i in range(per_node):
+        e = experts[n * per_node + i]
+        local[e] = i
+        w_node[i] = w[e]
+        total += w[e]
+    for s in range(slots_per_node):
+        plan[s] = local[row[n * slots_per_node + s]]
+    return total
 
 
 @kernel
 def eplb_distinct_layer(w, w32, num_replicas, num_groups, num_nodes, num_gpus, max_swaps, row):
     """The drop-in's plan of one layer, written to ``row`` [R].
 
-    Two candidates, each without duplicates; the one with the lighter hottest GPU (ties: (b))
-    is refined by swaps, node by node:
-    (a) groups packed to nodes and refined, then :func:`eplb_own_node` on every node (only
-        when EPLB's plan has duplicates or there is a choice of groups per node);
-    (b) EPLB's own plan, cleared of duplicates by :func:`eplb_eplb_node`.
+    Two candidates, each without duplicates:
+    (b) EPLB's own plan, node by node: a node where it has no duplicates keeps it; elsewhere
+        EPLB's plan cleared of duplicates (:func:`eplb_eplb_node`), or the drop-in's own plan
+        of the same experts (:func:`eplb_own_node`) if lighter; the own plan is tried only
+        where clearing duplicates made the node's hottest GPU hotter than under EPLB, and
+        hotter than the mean GPU load of some node (a floor on the layer's hottest GPU).
+    (a) Only where a node holds several groups: groups packed to nodes and refined; when that
+        splits the groups differently from EPLB, :func:`eplb_own_node` on every node.
+    The one with the lighter hottest GPU (ties: (b)) is refined by swaps, node by node, the
+    hottest node first: a node is refined only while its hottest GPU is hotter than the
+    layer's hottest after refinement so far (lower would not change the layer's hottest GPU).
     When EPLB's plan has no duplicates, (b) is EPLB's plan and swaps only lower the hottest GPU,
     so the result is never worse than EPLB's. Each node is planned on its own GPUs, so every
     group's replicas stay on its node.
@@ -953,6 +1056,8 @@ def eplb_distinct_layer(w, w32, num_replicas, num_groups, num_nodes, num_gpus, m
     slots_per_node = num_replicas // num_nodes
     gpus_per_node = num_gpus // num_nodes
     per_gpu = num_replicas // num_gpus
+    group_size = E // num_groups
+    groups_per_node = num_groups // num_nodes
     w_node = np.empty(per_node, dtype=np.float64)
     count = np.empty(per_node, dtype=np.int64)
     slot_item = np.empty(slots_per_node, dtype=np.int64)
@@ -960,43 +1065,69 @@ def eplb_distinct_layer(w, w32, num_replicas, num_groups, num_nodes, num_gpus, m
     experts = np.empty((2, E), dtype=np.int64)  # [candidate, node-major expert ids]
     counts = np.empty((2, num_nodes, per_node), dtype=np.int64)
     slots = np.empty((2, num_nodes, slots_per_node), dtype=np.int64)
+    node_peak = np.zeros((2, num_nodes), dtype=np.float64)  # hottest GPU before refinement
 
     eplb_layer(w32, num_replicas, num_groups, num_nodes, num_gpus, row, experts[1])
     local = np.empty(E, dtype=np.int64)
     plan = np.empty(slots_per_node, dtype=np.int64)
-    peak_b = 0.0
-    duplicates = False
+    worse = np.zeros(num_nodes, dtype=np.bool_)  # clearing duplicates made the node hotter
+    lowest_peak = 0.0  # the layer's hottest GPU carries at least any node's mean GPU load
     for n in range(num_nodes):
-        for i in range(per_node):
-            e = experts[1, n * per_node + i]
-            local[e] = i
-            w_node[i] = w[e]
-        for s in range(slots_per_node):
-            plan[s] = local[row[n * slots_per_node + s]]
+        node_load = eplb_node_input(w, experts[1], row, n, w_node, plan, local)
+        lowest_peak = max(lowest_peak, node_load / gpus_per_node)
         peak = eplb_eplb_node(w_node, gpus_per_node, per_gpu, plan, count, slot_item, has,
                               counts[1, n], slots[1, n])
-        duplicates = duplicates or peak > 0.0
-        peak_b = max(peak_b, abs(peak))
-
-    # Without duplicates in EPLB's plan, (a) would mostly repeat it; it is worth its time when
-    # EPLB had to be repaired, or when groups can be spread better over nodes.
-    peak_a = np.inf
-    if duplicates or (num_nodes > 1 and num_groups > num_nodes):
-        eplb_place_groups(w, num_groups, num_nodes, max_swaps, experts[0])
-        peak_a = 0.0
-        for n in range(num_nodes):
-            for i in range(per_node):
-                w_node[i] = w[experts[0, n * per_node + i]]
-            peak_a = max(peak_a, eplb_own_node(w_node, gpus_per_node, per_gpu, count, slot_item,
-                                               has, counts[0, n], slots[0, n]))
-
-    c = 0 if peak_a < peak_b else 1
+        if peak > 0.0:  # EPLB put duplicates here
+            count[:] = 0
+            for s in range(slots_per_node):
+                count[plan[s]] += 1
+            worse[n] = peak > eplb_peak(w_node, count, gpus_per_node, per_gpu, plan)
+        node_peak[1, n] = abs(peak)
     for n in range(num_nodes):
-        for i in range(per_node):
-            w_node[i] = w[experts[c, n * per_node + i]]
-        eplb_set_has(per_node, per_gpu, slots[c, n], has)
-        eplb_swap_refine(w_node, counts[c, n], gpus_per_node, per_gpu, slots[c, n], has,
-                         max_swaps)
+        # The own plan may do better; below lowest_peak the node cannot be the layer's hottest.
+        if worse[n] and node_peak[1, n] > lowest_peak:
+            eplb_node_input(w, experts[1], row, n, w_node, plan, local)
+            node_peak[1, n] = eplb_own_node(w_node, gpus_per_node, per_gpu, count, slot_item,
+                                            has, counts[1, n], slots[1, n], node_peak[1, n])
+    peak_b = node_peak[1].max()
+
+    # (a) differs from (b) only in how groups are split over nodes (nodes are identical, so
+    # their order does not matter): worth its time only when that split differs.
+    c = 1
+    if num_nodes > 1 and groups_per_node > 1:
+        eplb_place_groups(w, num_groups, num_nodes, max_swaps, experts[0])
+        node_of_group = np.empty(num_groups, dtype=np.int64)
+        for n in range(num_nodes):
+            for k in range(groups_per_node):
+                node_of_group[experts[1, n * per_node + k * group_size] // group_size] = n
+        same = True
+        for n in range(num_nodes):
+            first = node_of_group[experts[0, n * per_node] // group_size]
+            for k in range(1, groups_per_node):
+                g = experts[0, n * per_node + k * group_size] // group_size
+                same = same and node_of_group[g] == first
+        if not same:
+            c = 0
+            for n in range(num_nodes):
+                for i in range(per_node):
+                    w_node[i] = w[experts[0, n * per_node + i]]
+                # Bound: a node no lighter than (b)'s hottest GPU rules (a) out.
+                node_peak[0, n] = eplb_own_node(w_node, gpus_per_node, per_gpu, count,
+                                                slot_item, has, counts[0, n], slots[0, n],
+                                                peak_b)
+                if node_peak[0, n] >= peak_b:
+                    c = 1
+                    break
+
+    layer_peak = 0.0
+    for n in np.argsort(-node_peak[c], kind="mergesort"):
+        if node_peak[c, n] > layer_peak:
+            for i in range(per_node):
+                w_node[i] = w[experts[c, n * per_node + i]]
+            eplb_set_has(per_node, per_gpu, slots[c, n], has)
+            layer_peak = max(layer_peak, eplb_swap_refine(
+                w_node, counts[c, n], gpus_per_node, per_gpu, slots[c, n], has, max_swaps,
+                layer_peak))
         for s in range(slots_per_node):
             row[n * slots_per_node + s] = experts[c, n * per_node + slots[c, n, s]]
 
@@ -1031,13 +1162,18 @@ _pool: ThreadPoolExecutor | None = None
 def _distinct_all_layers(name: str, w_LE: np.ndarray, *args):
     """Run :func:`eplb_distinct` over all layers. Compiled kernels release the GIL, so layers
     are split into contiguous chunks planned on worker threads (layers are independent: the
-    result does not depend on the split)."""
+    result does not depend on the split), as many as Numba may use
+    (``numba.set_num_threads``), at most ``MAX_THREADS``."""
     global _pool
     kernels = _kernels(name)
     L = w_LE.shape[0]
-    threads = min(os.cpu_count() or 1, MAX_THREADS, L // MIN_LAYERS_PER_THREAD)
     w32_LE = w_LE.astype(np.float32)
-    if name != "numba" or threads < 2:
+    if name != "numba":
+        return kernels.eplb_distinct(w_LE, w32_LE, *args)
+    import numba
+
+    threads = min(numba.get_num_threads(), MAX_THREADS, L // MIN_LAYERS_PER_THREAD)
+    if threads < 2:
         return kernels.eplb_distinct(w_LE, w32_LE, *args)
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="moebalance-eplb")
