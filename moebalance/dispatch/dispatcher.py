@@ -12,11 +12,13 @@ Steps of ``dispatch`` (kernels from :func:`moebalance.dispatch.kernels.kernels_f
 
 1. route: each pair (t, k) picks a physical slot of expert ``topk_ids[t, k]`` by the routing
    table of (placement, layer, this rank) -- the placement's token shares, local replicas first.
-2. permute: rows ``x[t]`` are gathered into (destination rank, local slot) order.
-3. exchange: per-slot counts go to their owners (``all_to_all_single`` of int64), then the rows
-   (``all_to_all_single`` with autograd: its backward is the reverse exchange).
-4. reorder: received rows go from (source rank, local slot) to (local slot, source rank) order,
-   so that each local slot's rows are contiguous.
+2. counts: per-slot counts go to their owners (``all_to_all_single`` of int64), so that every
+   rank knows the size of every message it will send and receive.
+3. permute + exchange: rows ``x[t]`` are gathered into (destination rank, local slot) order and
+   sent as point-to-point messages, one per (peer, local slot of the receiver), all in flight at
+   once. Each message is contiguous on both sides, so the received rows land directly in (local
+   slot, source rank) order -- each local slot's rows contiguous -- with no reorder pass; the
+   rows that stay on this rank are gathered straight into place while the messages travel.
 
 ``combine`` runs these backwards and ends with ``out[t] = sum_k w[t, k] * y[pair (t, k)]``.
 
@@ -27,9 +29,15 @@ exchange, so every rank of the group raises the ValueError together instead of l
 others waiting in a collective.
 
 Autograd: gradients flow to ``x`` (permute's backward is combine with unit weights), through both
-exchanges, and to ``topk_weights`` (:func:`combine_weight_grad`). Every rank must run backward
-through the same exchanges: ``x.requires_grad`` must agree across the ranks of the group (it does
-when all ranks run the same model).
+exchanges (each one's backward is the reverse exchange), and to ``topk_weights``
+(:func:`combine_weight_grad`). Every rank must run backward through the same exchanges:
+``x.requires_grad`` must agree across the ranks of the group (it does when all ranks run the
+same model).
+
+Buffers: on CPU, large outputs and intermediates come from a small process-wide pool that lends a
+buffer again only once nothing else references it (a fresh mmap'ed buffer pays a page fault per
+4 KiB, as costly as filling it); :func:`release_buffers` frees the pool. A Dispatcher is used by
+one thread at a time, like the collectives of its group.
 
 Legend: T tokens on this rank, K top-k, D hidden size, E logical experts, S global slots, G ranks
 of the group, N = T*K routed pairs, M rows received by this rank (pairs routed to its slots).
@@ -37,6 +45,8 @@ of the group, N = T*K routed pairs, M rows received by this rank (pairs routed t
 
 from __future__ import annotations
 
+import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,7 +58,7 @@ from ..placement import Placement
 from .kernels import kernels_for
 from .routing import RoutingTable, routing_table
 
-__all__ = ["Dispatcher", "DispatchHandle", "RANK_PAIR_STRIDE"]
+__all__ = ["Dispatcher", "DispatchHandle", "RANK_PAIR_STRIDE", "release_buffers"]
 
 # Rank r hashes pair p as pair_offset + p with pair_offset = r * RANK_PAIR_STRIDE: ranks use
 # disjoint stretches of one Weyl sequence (for calls of up to 2**24 pairs), so the same pair index
@@ -71,11 +81,7 @@ class DispatchHandle:
         order_N: [N] int64, pair index p = t*K + k at each sorted (sent) position.
         pos_TK: [T, K] int64, sorted position of each pair.
         topk_weights_TK: [T, K] float, the weights ``combine`` applies (autograd-tracked).
-        send_splits: rows sent to each rank [G] (None in a single process).
-        recv_splits: rows received from each rank [G] (None in a single process).
-        recv_index_M: [M] int64, received row (source-rank order) of each slot-ordered row, or
-            None when the orders coincide (single process).
-        recv_inverse_M: [M] int64, the inverse permutation of ``recv_index_M``.
+        exchange: the row messages of this dispatch (None in a single process).
         placement, layer, rank: what the rows were routed by.
     """
 
@@ -83,10 +89,7 @@ class DispatchHandle:
     order_N: torch.Tensor
     pos_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
-    send_splits: list | None
-    recv_splits: list | None
-    recv_index_M: torch.Tensor | None
-    recv_inverse_M: torch.Tensor | None
+    exchange: _ExchangePlan | None
     placement: Placement
     layer: int
     rank: int
@@ -101,88 +104,270 @@ class DispatchHandle:
         """T, the tokens ``combine`` returns."""
         return self.pos_TK.shape[0]
 
+    @property
+    def send_splits(self) -> list | None:
+        """Rows this rank sent to each rank at dispatch ([G] ints; None in a single process)."""
+        return None if self.exchange is None else self.exchange.rows_per_rank(sent=True)
+
+    @property
+    def recv_splits(self) -> list | None:
+        """Rows this rank received from each rank at dispatch ([G] ints; None in one process)."""
+        return None if self.exchange is None else self.exchange.rows_per_rank(sent=False)
+
+
+# -- reusable CPU buffers -------------------------------------------------------------------------
+
+
+class _BufferPool:
+    """Large CPU buffers kept across calls, reused only when nothing else references them.
+
+    A fresh CPU allocation of tens of MiB comes from ``mmap`` and pays a page fault per 4 KiB
+    on first touch -- as much time as the copy that fills it. The pool keeps the storages of
+    the buffers it handed out and lends one again once its use count shows that the pool holds
+    the only reference: the caller dropped every tensor on it and autograd saved none. A tensor
+    still alive anywhere (returned to the user, saved for backward, viewed by numpy) keeps its
+    storage out of the pool, so reuse can never overwrite live data.
+    """
+
+    MIN_BYTES = 1 << 20   # below this the allocator's free lists are already cheap
+    CAPACITY = 8          # storages remembered; the least recently lent is forgotten first
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``."""
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if device.type != "cpu" or nbytes < self.MIN_BYTES or _use_count is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            best = None
+            for i, storage in enumerate(self._storages):
+                size = storage.nbytes()
+                # Sole owner, large enough, and not so large that a small request pins it.
+                if (nbytes <= size <= 2 * nbytes and _use_count(storage._cdata) == 1
+                        and (best is None or size < self._storages[best].nbytes())):
+                    best = i
+            if best is None:
+                # Slack for the step-to-step variation of M; untouched pages cost nothing.
+                storage = torch.UntypedStorage(nbytes + nbytes // 8, device=device)
+            else:
+                storage = self._storages.pop(best)
+            self._storages.append(storage)
+            del self._storages[:-self.CAPACITY]
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+
+    def clear(self) -> None:
+        """Forget every kept storage (tensors still using one keep it alive)."""
+        with self._lock:
+            self._storages.clear()
+
+
+# The storage use count is not public API; without it the pool simply allocates fresh buffers.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_POOL = _BufferPool()
+
+
+def release_buffers() -> None:
+    """Drop the CPU buffers the dispatchers of this process keep for reuse (frees their memory)."""
+    _POOL.clear()
+
+
+# -- the row exchange -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _ExchangePlan:
+    """The point-to-point messages of one dispatch, as host ints.
+
+    Rows live in two orders: *sorted* (this rank's N pairs grouped by global slot, so by
+    destination rank, then its local slot) and *slot-major* (the M rows this rank's slots
+    receive, grouped by local slot, then by source rank). One message carries the rows of one
+    (peer, local slot of the receiver) pair, which are contiguous in both orders, so rows land
+    directly where they belong: no reorder pass on either side. Rows that stay on this rank
+    never travel; they are copied (or gathered) straight into place.
+
+    Attributes:
+        group: the process group.
+        num_sorted: N; num_slot_major: M.
+        to_peer: (peer, tag, sorted start, rows) of each message this rank sends at dispatch.
+        from_peer: (peer, tag, slot-major start, rows) of each message it receives at dispatch.
+        local: (sorted start, slot-major start, rows) of each local slot's own rows.
+        local_span: (start, stop) of this rank's own rows in sorted order.
+    """
+
+    group: object
+    num_sorted: int
+    num_slot_major: int
+    to_peer: tuple
+    from_peer: tuple
+    local: tuple
+    local_span: tuple
+
+    @staticmethod
+    def build(group, rank: int, slot_offsets, counts_S, recv_GL) -> _ExchangePlan:
+        """Messages from this rank's per-slot counts and the counts it receives.
+
+        Args:
+            slot_offsets: [G + 1] ints, rank g owns slots slot_offsets[g]:slot_offsets[g + 1].
+            counts_S: [S] ints, this rank's pairs per global slot.
+            recv_GL: [G, Ls] ints, rows each rank sends to each of this rank's local slots.
+        """
+        G, Ls = recv_GL.shape
+        sorted_start = np.concatenate([[0], np.cumsum(counts_S)])
+        slot_major = np.concatenate([[0], np.cumsum(recv_GL.T.reshape(-1))])[:-1].reshape(Ls, G)
+        to_peer, from_peer = [], []
+        # Peers in rotation order, so that not every rank sends to rank 0 first.
+        for peer in [(rank + i) % G for i in range(1, G)]:
+            for tag, s in enumerate(range(slot_offsets[peer], slot_offsets[peer + 1])):
+                if counts_S[s]:
+                    to_peer.append((peer, tag, int(sorted_start[s]), int(counts_S[s])))
+            for tag in range(Ls):
+                if recv_GL[peer, tag]:
+                    from_peer.append((peer, tag, int(slot_major[tag, peer]),
+                                      int(recv_GL[peer, tag])))
+        lo = int(slot_offsets[rank])
+        local = tuple((int(sorted_start[lo + j]), int(slot_major[j, rank]), int(counts_S[lo + j]))
+                      for j in range(Ls) if counts_S[lo + j])
+        return _ExchangePlan(group, int(sorted_start[-1]), int(recv_GL.sum()), tuple(to_peer),
+                             tuple(from_peer), local,
+                             (int(sorted_start[lo]), int(sorted_start[lo + Ls])))
+
+    def rows_per_rank(self, sent: bool) -> list:
+        """[G] ints: rows sent to (``sent``) or received from each rank, own rows included."""
+        rows = [0] * dist.get_world_size(self.group)
+        for peer, _, _, n in (self.to_peer if sent else self.from_peer):
+            rows[peer] += n
+        rows[dist.get_rank(self.group)] = sum(n for _, _, n in self.local)
+        return rows
+
+    def _post(self, recv_buf, recv_msgs, send_buf, send_msgs) -> list:
+        ops = [dist.P2POp(dist.irecv, recv_buf[start:start + n], group=self.group, group_peer=peer,
+                          tag=tag) for peer, tag, start, n in recv_msgs]
+        ops += [dist.P2POp(dist.isend, send_buf[start:start + n], group=self.group,
+                           group_peer=peer, tag=tag) for peer, tag, start, n in send_msgs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def to_slot_major(self, send_ND: torch.Tensor, out_MD: torch.Tensor,
+                      fill_local) -> torch.Tensor:
+        """Send the rows of ``send_ND`` (sorted order, [N, D]) to their slots' ranks.
+
+        Received rows go into ``out_MD`` [M, D]; ``fill_local(out_MD)`` writes this rank's own
+        rows while the messages are in flight. Returns ``out_MD``.
+        """
+        works = self._post(out_MD, self.from_peer, send_ND, self.to_peer)
+        fill_local(out_MD)
+        for work in works:
+            work.wait()
+        return out_MD
+
+    def to_sorted(self, src_MD: torch.Tensor, out_ND: torch.Tensor) -> torch.Tensor:
+        """Send slot-major rows ``src_MD`` [M, D] back to their sources; each rank receives
+        its rows in sorted order into ``out_ND`` [N, D] (every row written). Returns ``out_ND``.
+        """
+        works = self._post(out_ND, self.to_peer, src_MD, self.from_peer)
+        for sorted_start, slot_start, n in self.local:
+            out_ND[sorted_start:sorted_start + n].copy_(src_MD[slot_start:slot_start + n])
+        for work in works:
+            work.wait()
+        return out_ND
+
+    def copy_local(self, src_ND: torch.Tensor, out_MD: torch.Tensor) -> None:
+        """Copy this rank's own rows from sorted ``src_ND`` into slot-major ``out_MD``."""
+        for sorted_start, slot_start, n in self.local:
+            out_MD[slot_start:slot_start + n].copy_(src_ND[sorted_start:sorted_start + n])
+
 
 # -- autograd pieces ------------------------------------------------------------------------------
 
 
-class _Permute(torch.autograd.Function):
-    """Rows of x in sorted pair order; backward sums each token's K pair gradients."""
+def _gather_sent_rows(kernels, x_TD, token_N, plan: _ExchangePlan, out_ND) -> torch.Tensor:
+    """Gather the rows leaving this rank (sorted positions outside ``plan.local_span``)."""
+    lo, hi = plan.local_span
+    for a, b in ((0, lo), (hi, plan.num_sorted)):
+        if b > a:
+            kernels.gather_rows(x_TD, token_N[a:b], out=out_ND[a:b])
+    return out_ND
+
+
+class _Dispatch(torch.autograd.Function):
+    """x rows to the slots of their pairs: permute, then exchange (plan None: permute only).
+
+    Backward: the gradient rows travel back to sorted order and each token sums its K rows.
+    """
 
     @staticmethod
-    def forward(ctx, x_TD, token_N, pos_TK, kernels):
+    def forward(ctx, x_TD, token_N, pos_TK, plan, kernels):
         ctx.save_for_backward(pos_TK)
-        ctx.kernels = kernels
-        return kernels.gather_rows(x_TD, token_N)
+        ctx.plan, ctx.kernels = plan, kernels
+        D = x_TD.shape[1]
+        if plan is None:
+            out_ND = _POOL.empty((token_N.shape[0], D), x_TD.dtype, x_TD.device)
+            return kernels.gather_rows(x_TD, token_N, out=out_ND)
+        send_ND = _gather_sent_rows(kernels, x_TD, token_N, plan,
+                                    _POOL.empty((plan.num_sorted, D), x_TD.dtype, x_TD.device))
+
+        def gather_local(out_MD):
+            for sorted_start, slot_start, n in plan.local:
+                kernels.gather_rows(x_TD, token_N[sorted_start:sorted_start + n],
+                                    out=out_MD[slot_start:slot_start + n])
+
+        out_MD = _POOL.empty((plan.num_slot_major, D), x_TD.dtype, x_TD.device)
+        return plan.to_slot_major(send_ND, out_MD, gather_local)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_ND):
+    def backward(ctx, grad_MD):
         (pos_TK,) = ctx.saved_tensors
-        return ctx.kernels.combine(grad_ND.contiguous(), pos_TK, None), None, None, None
-
-
-class _Reorder(torch.autograd.Function):
-    """out = x[index]; ``index`` is a permutation whose inverse gives the backward."""
-
-    @staticmethod
-    def forward(ctx, x_MD, index_M, inverse_M, kernels):
-        ctx.save_for_backward(inverse_M)
-        ctx.kernels = kernels
-        return kernels.gather_rows(x_MD, index_M)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_MD):
-        (inverse_M,) = ctx.saved_tensors
-        return ctx.kernels.gather_rows(grad_MD.contiguous(), inverse_M), None, None, None
-
-
-class _Exchange(torch.autograd.Function):
-    """all_to_all_single of rows with uneven splits; backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x_ND, send_splits, recv_splits, group):
-        ctx.splits = (send_splits, recv_splits)
-        ctx.group = group
-        return _all_to_all_rows(x_ND, send_splits, recv_splits, group)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_MD):
-        send_splits, recv_splits = ctx.splits
-        return _all_to_all_rows(grad_MD, recv_splits, send_splits, ctx.group), None, None, None
+        plan, kernels = ctx.plan, ctx.kernels
+        grad_MD = grad_MD.contiguous()
+        if plan is not None:
+            grad_MD = plan.to_sorted(grad_MD, _POOL.empty((plan.num_sorted, grad_MD.shape[1]),
+                                                          grad_MD.dtype, grad_MD.device))
+        return kernels.combine(grad_MD, pos_TK, None), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * y[pos[t, k]]; gradients for y and w."""
+    """Slot outputs back to their tokens: exchange (plan None: none), then the weighted sum
+    out[t] = sum_k w[t, k] * y[pos[t, k]]; gradients for y and w."""
 
     @staticmethod
-    def forward(ctx, y_ND, weights_TK, pos_TK, token_N, order_N, kernels):
-        ctx.save_for_backward(y_ND, weights_TK, pos_TK, token_N, order_N)
-        ctx.kernels = kernels
-        return kernels.combine(y_ND, pos_TK, weights_TK)
+    def forward(ctx, y_MD, weights_TK, pos_TK, token_N, order_N, plan, kernels):
+        y_ND = y_MD
+        if plan is not None:
+            y_ND = plan.to_sorted(y_MD, _POOL.empty((plan.num_sorted, y_MD.shape[1]), y_MD.dtype,
+                                                    y_MD.device))
+        # y_ND is kept only when the weights need a gradient (it is their dot product partner).
+        ctx.save_for_backward(y_ND if ctx.needs_input_grad[1] else None, weights_TK, pos_TK,
+                              token_N, order_N)
+        ctx.plan, ctx.kernels = plan, kernels
+        out = _POOL.empty((pos_TK.shape[0], y_MD.shape[1]), y_MD.dtype, y_MD.device)
+        return kernels.combine(y_ND, pos_TK, weights_TK, out=out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_TD):
         y_ND, weights_TK, pos_TK, token_N, order_N = ctx.saved_tensors
-        kernels = ctx.kernels
+        plan, kernels = ctx.plan, ctx.kernels
         grad_TD = grad_TD.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            # Row i of y is pair order[i]: its gradient is w[pair] * grad[token of pair].
+            # Row i of y (sorted order) is pair order[i]: its gradient is w[pair] * grad[token].
             scale_N = weights_TK.reshape(-1).index_select(0, order_N)
-            grad_y = kernels.gather_rows(grad_TD, token_N, scale_N)
+            D = grad_TD.shape[1]
+            grad_ND = kernels.gather_rows(grad_TD, token_N, scale_N, out=_POOL.empty(
+                (token_N.shape[0], D), grad_TD.dtype, grad_TD.device))
+            if plan is None:
+                grad_y = grad_ND
+            else:
+                grad_y = plan.to_slot_major(
+                    grad_ND, _POOL.empty((plan.num_slot_major, D), grad_TD.dtype, grad_TD.device),
+                    lambda out_MD: plan.copy_local(grad_ND, out_MD))
         if ctx.needs_input_grad[1]:
             grad_w = kernels.combine_weight_grad(grad_TD, y_ND, pos_TK).to(weights_TK.dtype)
-        return grad_y, grad_w, None, None, None, None
-
-
-def _all_to_all_rows(x_ND: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
-    out = x_ND.new_empty((sum(recv_splits), x_ND.shape[1]))
-    dist.all_to_all_single(out, x_ND.contiguous(), output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group)
-    return out
+        return grad_y, grad_w, None, None, None, None, None
 
 
 # -- per-placement state --------------------------------------------------------------------------
@@ -202,7 +387,6 @@ class _PlacementState:
         self.num_local_slots = int(slots_per_rank[rank])
         self._tables: dict = {}
         self._count_index: dict = {}
-        self._offsets: dict = {}
 
     def table(self, layer: int, device: torch.device) -> RoutingTable:
         key = (layer, device)
@@ -211,13 +395,6 @@ class _PlacementState:
             table = routing_table(self.placement, layer, self.rank, self.world_size, device=device)
             self._tables[key] = table
         return table
-
-    def offsets(self, device: torch.device) -> torch.Tensor:
-        """[G + 1] int64 on ``device``: rank g owns slots offsets[g]:offsets[g + 1]."""
-        offsets = self._offsets.get(device)
-        if offsets is None:
-            offsets = self._offsets[device] = torch.from_numpy(self.slot_offsets).to(device)
-        return offsets
 
     def count_index(self, device: torch.device) -> torch.Tensor:
         """[S + G] int64 into cat([counts_S, flag]): each rank's slot counts, then the flag."""
@@ -375,17 +552,15 @@ class Dispatcher:
         order_N, pos_TK, counts_S = kernels.sort_by_slot(slot_TK, placement.num_slots)
         token_N = order_N // K
         x_TD = x_TD.contiguous()
-        send_x_ND = _Permute.apply(x_TD, token_N, pos_TK, kernels)
         common = dict(order_N=order_N, pos_TK=pos_TK, topk_weights_TK=topk_weights_TK.contiguous(),
                       placement=placement, layer=int(layer), rank=self.rank)
 
         if self.world_size == 1:
             host = torch.cat([counts_S, bad]).tolist()
             self._raise_bad_ids([host[-1]], E)
-            handle = DispatchHandle(tokens_per_local_slot=host[:-1], send_splits=None,
-                                    recv_splits=None, recv_index_M=None, recv_inverse_M=None,
-                                    **common)
-            return send_x_ND, handle
+            recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, None, kernels)
+            return recv_x_MD, DispatchHandle(tokens_per_local_slot=host[:-1], exchange=None,
+                                             **common)
 
         G, Ls = self.world_size, state.num_local_slots
         send_counts = torch.cat([counts_S, bad]).index_select(0, state.count_index(device))
@@ -393,25 +568,16 @@ class Dispatcher:
         dist.all_to_all_single(recv_counts, send_counts, output_split_sizes=[Ls + 1] * G,
                                input_split_sizes=[s + 1 for s in state.slots_per_rank],
                                group=self.group)
-        offsets = state.offsets(device)
-        sent_cum = torch.cat([counts_S.new_zeros(1), counts_S.cumsum(0)])
-        send_rows_G = sent_cum.index_select(0, offsets[1:]) - sent_cum.index_select(0, offsets[:-1])
         # The one host sync of the per-step path.
-        host = torch.cat([recv_counts, send_rows_G]).tolist()
-        recv_GL1 = np.asarray(host[:G * (Ls + 1)], dtype=np.int64).reshape(G, Ls + 1)
+        host = np.asarray(torch.cat([recv_counts, counts_S]).tolist(), dtype=np.int64)
+        recv_GL1 = host[:G * (Ls + 1)].reshape(G, Ls + 1)
         self._raise_bad_ids(recv_GL1[:, Ls].tolist(), E)
         recv_GL = recv_GL1[:, :Ls]
-        send_splits = host[G * (Ls + 1):]
-        recv_splits = recv_GL.sum(axis=1).tolist()
-        tokens_per_local_slot = recv_GL.sum(axis=0).tolist()
-
-        recv_src_MD = _Exchange.apply(send_x_ND, send_splits, recv_splits, self.group)
-        index_M, inverse_M = _slot_major_index(
-            recv_counts.view(G, Ls + 1)[:, :Ls], sum(recv_splits))
-        recv_x_MD = _Reorder.apply(recv_src_MD, index_M, inverse_M, kernels)
-        handle = DispatchHandle(tokens_per_local_slot=tokens_per_local_slot,
-                                send_splits=send_splits, recv_splits=recv_splits,
-                                recv_index_M=index_M, recv_inverse_M=inverse_M, **common)
+        plan = _ExchangePlan.build(self.group, self.rank, state.slot_offsets,
+                                   host[G * (Ls + 1):], recv_GL)
+        recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, plan, kernels)
+        handle = DispatchHandle(tokens_per_local_slot=recv_GL.sum(axis=0).tolist(), exchange=plan,
+                                **common)
         return recv_x_MD, handle
 
     def _raise_bad_ids(self, bad_per_rank: list, num_experts: int) -> None:
@@ -452,37 +618,6 @@ class Dispatcher:
             raise ValueError(f"y_MD is on {y_MD.device} but the dispatch ran on "
                              f"{handle.pos_TK.device}")
         kernels = kernels_for(y_MD.device.type)
-        y_MD = y_MD.contiguous()
-        if handle.recv_index_M is None:
-            back_ND = y_MD
-        else:
-            y_src = _Reorder.apply(y_MD, handle.recv_inverse_M, handle.recv_index_M, kernels)
-            back_ND = _Exchange.apply(y_src, handle.recv_splits, handle.send_splits, self.group)
         K = handle.pos_TK.shape[1]
-        return _Combine.apply(back_ND, handle.topk_weights_TK, handle.pos_TK,
-                              handle.order_N // K, handle.order_N, kernels)
-
-
-def _slot_major_index(recv_GL: torch.Tensor, num_rows: int):
-    """Gather index from (source rank, local slot) row order to (local slot, source rank) order.
-
-    Args:
-        recv_GL: [G, Ls] int64 (device), rows received from each rank for each local slot.
-        num_rows: M = recv_GL.sum(), known on the host (no sync here).
-
-    Returns:
-        index_M: [M] int64, received row of each slot-ordered row; inverse_M: its inverse.
-    """
-    G, Ls = recv_GL.shape
-    device = recv_GL.device
-    src_start_GL = (recv_GL.reshape(-1).cumsum(0) - recv_GL.reshape(-1)).view(G, Ls)
-    counts_LG = recv_GL.t().reshape(-1)
-    dst_start_LG = counts_LG.cumsum(0) - counts_LG
-    segment_M = torch.repeat_interleave(torch.arange(G * Ls, device=device), counts_LG,
-                                        output_size=num_rows)
-    rows_M = torch.arange(num_rows, device=device)
-    index_M = src_start_GL.t().reshape(-1).index_select(0, segment_M) + rows_M \
-        - dst_start_LG.index_select(0, segment_M)
-    inverse_M = torch.empty_like(index_M)
-    inverse_M[index_M] = rows_M
-    return index_M, inverse_M
+        return _Combine.apply(y_MD.contiguous(), handle.topk_weights_TK, handle.pos_TK,
+                              handle.order_N // K, handle.order_N, handle.exchange, kernels)
