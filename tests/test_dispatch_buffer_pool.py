@@ -99,28 +99,31 @@ def test_gradients_are_right_when_other_dispatches_run_before_backward():
 
 def saved_rows_and_outputs_survive_later_dispatches_on_four_ranks():
     """Every buffer pooled (minimum size 0); two more dispatch + combine calls run between a
-    forward and its backward; outputs and gradients must be untouched by them."""
+    forward and its backward; outputs and gradients must be untouched by them, with either row
+    exchange (all_to_all also pools the rows before and after its reorder)."""
     rank, saved_min = dist.get_rank(), _BufferPool.MIN_BYTES
     _BufferPool.MIN_BYTES = 0
     try:
-        release_buffers()
-        placement, dispatcher = replicated_placement(dist.get_world_size()), Dispatcher()
-        x0, ids, w0 = routed_batch(10 + rank, T=40 + 7 * rank, D=8, K=3, E=placement.num_experts)
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        proj = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
-        recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
-        out = dispatcher.combine(recv * 2, handle)
-        out_copy = out.detach().clone()
-        for seed in (30, 40):
-            x2, ids2, w2 = routed_batch(seed + rank, T=40 + 7 * rank, D=8, K=3,
-                                        E=placement.num_experts)
-            recv2, handle2 = dispatcher.dispatch(x2, ids2, w2, placement, 0)
-            dispatcher.combine(recv2 * 3, handle2)
-        assert torch.equal(out.detach(), out_copy)
-        (out * proj).sum().backward()
-        assert_close(x.grad, 2 * w0.sum(1, keepdim=True) * proj, rtol=1e-5, atol=1e-5)
-        assert_close(w.grad, (2 * (proj * x0).sum(1, keepdim=True)).expand_as(w0),
-                     rtol=1e-5, atol=1e-5)
+        for exchange in ("p2p", "all_to_all"):
+            release_buffers()
+            placement = replicated_placement(dist.get_world_size())
+            dispatcher = Dispatcher(exchange=exchange)
+            E = placement.num_experts
+            x0, ids, w0 = routed_batch(10 + rank, T=40 + 7 * rank, D=8, K=3, E=E)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            proj = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
+            recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+            out = dispatcher.combine(recv * 2, handle)
+            out_copy = out.detach().clone()
+            for seed in (30, 40):
+                x2, ids2, w2 = routed_batch(seed + rank, T=40 + 7 * rank, D=8, K=3, E=E)
+                recv2, handle2 = dispatcher.dispatch(x2, ids2, w2, placement, 0)
+                dispatcher.combine(recv2 * 3, handle2)
+            assert torch.equal(out.detach(), out_copy), f"{exchange}: output overwritten"
+            (out * proj).sum().backward()
+            tol = dict(rtol=1e-5, atol=1e-5, msg=lambda m, e=exchange: f"exchange={e}: {m}")
+            assert_close(x.grad, 2 * w0.sum(1, keepdim=True) * proj, **tol)
+            assert_close(w.grad, (2 * (proj * x0).sum(1, keepdim=True)).expand_as(w0), **tol)
     finally:
         _BufferPool.MIN_BYTES = saved_min
         release_buffers()

@@ -3,6 +3,7 @@
 All cases run in ONE spawn of 4 ranks (see ``_dist.py``); each is reported as its own test.
 Every rank builds the same dense reference and the same global batch (fixed seeds), keeps its
 slice of the tokens, and compares its part of the expert-parallel result with the reference.
+The comparisons with the dense layer run for both row exchanges ("p2p" and "all_to_all").
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from torch.testing import assert_close
 
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
+from moebalance.dispatch.dispatcher import EXCHANGES, _auto_exchange
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
-pytestmark = pytest.mark.distributed
-
 WORLD = 4
 D, F = 16, 12
+MODES = ("p2p", "all_to_all")   # the row exchanges; "auto" picks p2p on gloo
 
 
 # -- helpers (run inside the workers) ---------------------------------------------------------
@@ -77,9 +78,21 @@ def dense_layer(seed: int, num_experts: int, top_k: int, dtype, dead=()) -> Dens
     return dense
 
 
+def with_exchange(moe: ExpertParallelMoE, exchange: str) -> ExpertParallelMoE:
+    """``moe`` with its rows moved by ``exchange`` ("p2p" or "all_to_all")."""
+    moe.dispatcher = Dispatcher(exchange=exchange)
+    return moe
+
+
+def labelled(exchange: str):
+    """assert_close message prefix naming the exchange under test."""
+    return lambda msg: f"exchange={exchange}: {msg}"
+
+
 def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, seed: int,
                        rtol: float, atol: float) -> ExpertParallelMoE:
-    """Forward + backward on both layers; outputs and every gradient must agree."""
+    """Forward + backward on the dense layer, then on the expert-parallel layer with each row
+    exchange; outputs and every gradient must agree. Returns the last expert-parallel layer."""
     rank = dist.get_rank()
     dtype = dense.router.weight.dtype
     x_all, proj_all = global_batch(seed, sum(tokens_per_rank), dtype)
@@ -87,20 +100,22 @@ def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, s
     xd = x_all.clone().requires_grad_()
     out_d = dense(xd)
     (out_d * proj_all).sum().backward()
-
-    moe = ExpertParallelMoE.from_dense(dense, placement)
     lo, hi = token_range(tokens_per_rank, rank)
-    x = x_all[lo:hi].clone().requires_grad_()
-    out = moe(x)
-    (out * proj_all[lo:hi]).sum().backward()
-    moe.reduce_replica_gradients()
 
-    assert_close(out, out_d[lo:hi].detach(), rtol=rtol, atol=atol)
-    assert_close(x.grad, xd.grad[lo:hi], rtol=rtol, atol=atol)
-    assert_close(moe.router.weight.grad, dense.router.weight.grad, rtol=rtol, atol=atol)
-    local = torch.from_numpy(moe.local_experts)
-    assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], rtol=rtol, atol=atol)
-    assert_close(moe.experts.down.grad, dense.experts.down.grad[local], rtol=rtol, atol=atol)
+    for exchange in MODES:
+        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange)
+        x = x_all[lo:hi].clone().requires_grad_()
+        out = moe(x)
+        (out * proj_all[lo:hi]).sum().backward()
+        moe.reduce_replica_gradients()
+
+        tol = dict(rtol=rtol, atol=atol, msg=labelled(exchange))
+        assert_close(out, out_d[lo:hi].detach(), **tol)
+        assert_close(x.grad, xd.grad[lo:hi], **tol)
+        assert_close(moe.router.weight.grad, dense.router.weight.grad, **tol)
+        local = torch.from_numpy(moe.local_experts)
+        assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], **tol)
+        assert_close(moe.experts.down.grad, dense.experts.down.grad[local], **tol)
     return moe
 
 
@@ -164,18 +179,22 @@ def outputs_and_gradients_match_dense_in_float64_with_two_layers():
         dense = dense_layer(40 + layer, E, 3, torch.float64)
         x_all, proj_all = global_batch(50 + layer, sum(tokens), torch.float64)
         xd = x_all.clone().requires_grad_()
-        (dense(xd) * proj_all).sum().backward()
-        moe = ExpertParallelMoE.from_dense(dense, placement, layer=layer)
+        out_d = dense(xd)
+        (out_d * proj_all).sum().backward()
         lo, hi = token_range(tokens, dist.get_rank())
-        x = x_all[lo:hi].clone().requires_grad_()
-        out = moe(x)
-        (out * proj_all[lo:hi]).sum().backward()
-        reduce_replica_gradients(moe)
-        assert_close(out, dense(x_all)[lo:hi].detach(), rtol=1e-12, atol=1e-13)
-        assert_close(x.grad, xd.grad[lo:hi], rtol=1e-12, atol=1e-13)
-        local = torch.from_numpy(moe.local_experts)
-        assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], rtol=1e-12, atol=1e-13)
-        assert_close(moe.router.weight.grad, dense.router.weight.grad, rtol=1e-12, atol=1e-13)
+        for exchange in MODES:
+            moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement, layer=layer),
+                                exchange)
+            x = x_all[lo:hi].clone().requires_grad_()
+            out = moe(x)
+            (out * proj_all[lo:hi]).sum().backward()
+            reduce_replica_gradients(moe)
+            tol = dict(rtol=1e-12, atol=1e-13, msg=labelled(exchange))
+            assert_close(out, out_d[lo:hi].detach(), **tol)
+            assert_close(x.grad, xd.grad[lo:hi], **tol)
+            local = torch.from_numpy(moe.local_experts)
+            assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], **tol)
+            assert_close(moe.router.weight.grad, dense.router.weight.grad, **tol)
 
 
 def rows_reach_a_replica_of_their_expert():
@@ -187,16 +206,48 @@ def rows_reach_a_replica_of_their_expert():
     x = torch.randn(T, D, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=gen)
-    dispatcher = Dispatcher()
-    recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
-    assert recv.shape == (handle.num_recv_rows, D)
-    lo = dispatcher.local_slots(placement).start
-    experts = placement.phy2log[0, lo:lo + len(handle.tokens_per_local_slot)]
-    scale = torch.repeat_interleave(torch.tensor(experts + 1.0, dtype=torch.float32),
-                                    torch.tensor(handle.tokens_per_local_slot))
-    out = dispatcher.combine(recv * scale[:, None], handle)
     expected = ((w * (ids + 1).float()).sum(1))[:, None] * x
-    assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for exchange in MODES:
+        dispatcher = Dispatcher(exchange=exchange)
+        recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+        assert handle.exchange_kind == exchange
+        assert recv.shape == (handle.num_recv_rows, D)
+        lo = dispatcher.local_slots(placement).start
+        experts = placement.phy2log[0, lo:lo + len(handle.tokens_per_local_slot)]
+        scale = torch.repeat_interleave(torch.tensor(experts + 1.0, dtype=torch.float32),
+                                        torch.tensor(handle.tokens_per_local_slot))
+        out = dispatcher.combine(recv * scale[:, None], handle)
+        assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=labelled(exchange))
+
+
+def exchanges_give_bit_identical_outputs_and_gradients():
+    """One random layer (replicas, uneven slots and tokens, a rank without tokens): "p2p" and
+    "all_to_all" give the same received rows, split sizes, outputs and gradients, bit for bit;
+    "auto" picks "p2p" on gloo."""
+    rank = dist.get_rank()
+    E, K, tokens = 10, 3, [13, 0, 21, 8]
+    placement = random_placement(71, E, [4, 3, 5, 4])
+    dense = dense_layer(72, E, K, torch.float32)
+    x_all, proj_all = global_batch(73, sum(tokens), torch.float32)
+    lo, hi = token_range(tokens, rank)
+    results = {}
+    for exchange in ("auto",) + MODES:
+        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange)
+        x = x_all[lo:hi].clone().requires_grad_()
+        _, w, ids = moe.router(x.detach())
+        recv, handle = moe.dispatcher.dispatch(x.detach(), ids, w.detach(), placement, 0)
+        out = moe(x)
+        (out * proj_all[lo:hi]).sum().backward()
+        results[exchange] = dict(
+            kind=handle.exchange_kind, recv=recv, splits=(handle.send_splits, handle.recv_splits),
+            per_slot=handle.tokens_per_local_slot, out=out.detach(), x_grad=x.grad,
+            router_grad=moe.router.weight.grad, gate_up_grad=moe.experts.gate_up.grad,
+            down_grad=moe.experts.down.grad)
+    assert [results[m]["kind"] for m in ("auto",) + MODES] == ["p2p", "p2p", "all_to_all"]
+    p2p, a2a = results["p2p"], results["all_to_all"]
+    assert p2p["splits"] == a2a["splits"] and p2p["per_slot"] == a2a["per_slot"]
+    for key in ("recv", "out", "x_grad", "router_grad", "gate_up_grad", "down_grad"):
+        assert torch.equal(p2p[key], a2a[key]), f"{key} differs between p2p and all_to_all"
 
 
 def replica_token_counts_follow_shares():
@@ -284,8 +335,9 @@ def bad_input_raises_a_clear_error_on_every_rank():
     bad_ids = ids.clone()
     if rank == 1:
         bad_ids[2, 1] = E                          # only rank 1 is wrong; all must raise
-    with pytest.raises(ValueError, match="outside"):
-        dispatcher.dispatch(x, bad_ids, w, placement, 0)
+    for exchange in MODES:
+        with pytest.raises(ValueError, match="outside"):
+            Dispatcher(exchange=exchange).dispatch(x, bad_ids, w, placement, 0)
     with pytest.raises(ValueError, match="topk_weights_TK"):
         dispatcher.dispatch(x, ids, w[:, :1], placement, 0)
     with pytest.raises(ValueError, match="topk_ids_TK"):
@@ -314,6 +366,7 @@ CASES = [
     outputs_and_gradients_match_dense_when_a_rank_receives_nothing,
     outputs_and_gradients_match_dense_in_float64_with_two_layers,
     rows_reach_a_replica_of_their_expert,
+    exchanges_give_bit_identical_outputs_and_gradients,
     replica_token_counts_follow_shares,
     all_ranks_without_tokens_give_empty_outputs_and_gradients,
     replicas_identical_after_optimizer_steps,
@@ -327,6 +380,35 @@ def dist_results():
     return run_cases(CASES, world_size=WORLD)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_on_four_gloo_ranks(dist_results, case):
     dist_results.check(case)
+
+
+# -- single process -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exchange", ["nccl", "alltoall", "", None, 1])
+def test_unknown_exchange_is_rejected_naming_the_choices(exchange):
+    with pytest.raises(ValueError, match=r"exchange must be one of \['auto', 'all_to_all', 'p2p'\]"):
+        Dispatcher(exchange=exchange)
+
+
+def test_every_exchange_is_accepted_and_a_single_process_exchanges_nothing():
+    placement = Placement(np.arange(4)[None], np.ones((1, 4)), np.zeros(4, dtype=np.int64), 4)
+    x, ids, w = torch.randn(5, D), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    for exchange in EXCHANGES:
+        dispatcher = Dispatcher(exchange=exchange)
+        assert dispatcher.exchange == exchange and dispatcher.exchange_for("cpu") == "local"
+        recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+        assert handle.exchange_kind == "local" and handle.send_splits is None
+        assert_close(dispatcher.combine(recv, handle), w.sum(1, keepdim=True) * x)
+
+
+def test_auto_picks_p2p_on_gloo_and_all_to_all_on_other_backends():
+    assert _auto_exchange("gloo", "cpu") == "p2p"
+    assert _auto_exchange("nccl", "cuda") == "all_to_all"
+    assert _auto_exchange("mpi", "cpu") == "all_to_all"
+    assert _auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
+    assert _auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"

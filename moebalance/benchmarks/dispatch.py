@@ -8,7 +8,9 @@ Sections (``--sections``, default all that can run here):
    copy of the same bytes (``clone`` / ``copy_``). Fresh outputs and reused (``out=``) outputs
    are timed separately: on CPU a fresh large buffer costs a page fault per 4 KiB on first touch.
 2. ``dist``: ``Dispatcher.dispatch`` + ``combine`` on gloo ranks (spawned processes on
-   127.0.0.1) against a raw ``all_to_all_single`` pair moving the same rows.
+   127.0.0.1), once with each row exchange (``exchange="p2p"``, the gloo default, and
+   ``"all_to_all"``, the NCCL default), against a raw ``all_to_all_single`` pair moving the same
+   rows.
 3. ``gpu``: only with CuPy and a CUDA GPU: GB/s of the CUDA ``gather_rows`` and ``combine`` kernels
    against torch's device copy bandwidth.
 
@@ -40,13 +42,14 @@ from ..cli import ArgumentParser, UsageError, positive_int, run_guarded
 from .planner import format_markdown, format_text, machine_info
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
-               "index_select vs a plain copy (CPU), dispatch + combine vs raw all_to_all_single "
-               "(gloo ranks), and the CUDA kernels vs device copy bandwidth (GPU, when present).")
+               "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
+               "raw all_to_all_single (gloo ranks), and the CUDA kernels vs device copy bandwidth (GPU, when present).")
 FULL = {"tokens": 16384, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 7,
         "dist_tokens": 2048, "dist_hidden": 512, "dist_repeats": 10}
 QUICK = {"tokens": 2048, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 5,
          "dist_tokens": 256, "dist_hidden": 256, "dist_repeats": 5}
 SECTIONS = ("cpu", "dist", "gpu")
+DIST_MODES = ("p2p", "all_to_all")   # the Dispatcher's row exchanges, each timed
 COLUMNS = ["section", "op", "method", "ms", "GB/s", "vs copy"]
 
 
@@ -195,12 +198,12 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
         ids = torch.stack([torch.randperm(placement.num_experts, generator=gen)[:K]
                            for _ in range(T)])
         weights = torch.rand(T, K, generator=gen)
-        d = Dispatcher(group=None)
+        dispatchers = {mode: Dispatcher(group=None, exchange=mode) for mode in DIST_MODES}
         send = torch.randn(T * K, D, generator=gen)
         recv = torch.empty_like(send)
         back = torch.empty_like(send)
 
-        def dispatch_combine():
+        def dispatch_combine(d):
             recv_x, handle = d.dispatch(x, ids, weights, placement, 0)
             return d.combine(recv_x, handle)
 
@@ -210,7 +213,7 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
 
         # The same pair with the dispatch's own split sizes: rows that the routing keeps on
         # their rank (local replicas first) cross no link, so this is the exchange's floor.
-        _, handle = d.dispatch(x, ids, weights, placement, 0)
+        _, handle = dispatchers["p2p"].dispatch(x, ids, weights, placement, 0)
         sent, received = handle.send_splits, handle.recv_splits
         send_routed = torch.randn(sum(sent), D, generator=gen)
         recv_routed = torch.empty(sum(received), D)
@@ -220,23 +223,25 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
             dist.all_to_all_single(recv_routed, send_routed, received, sent)
             dist.all_to_all_single(back_routed, recv_routed, sent, received)
 
-        timed = interleaved({"dispatch+combine": dispatch_combine,
-                             "all_to_all_single x2": raw_pair,
-                             "routed splits": raw_pair_routed},
-                            cfg["repeats"], sync=dist.barrier)
+        methods = {f"dispatch+combine ({mode})": (lambda d=d: dispatch_combine(d))
+                   for mode, d in dispatchers.items()}
+        methods.update({"all_to_all_single x2": raw_pair,
+                        "all_to_all_single x2, routed splits": raw_pair_routed})
+        timed = interleaved(methods, cfg["repeats"], sync=dist.barrier)
         # A step is as slow as its slowest rank.
-        slowest = torch.tensor([timed["dispatch+combine"], timed["all_to_all_single x2"],
-                                timed["routed splits"]], dtype=torch.float64)
+        slowest = torch.tensor(list(timed.values()), dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if rank == 0:
-            Path(result_dir, "dist.json").write_text(json.dumps(slowest.tolist()))
+            result = dict(zip(timed, slowest.tolist()))
+            Path(result_dir, "dist.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
 def run_dist(num_ranks: int, tokens: int, hidden: int, top_k: int, repeats: int,
              seed: int) -> list[Row]:
-    """Dispatcher.dispatch + combine vs two raw all_to_all_single calls of T*K rows per rank."""
+    """Dispatcher.dispatch + combine (each row exchange) vs two raw all_to_all_single calls of
+    T*K rows per rank."""
     import torch.multiprocessing as mp
 
     if 2 * num_ranks < top_k:
@@ -246,14 +251,13 @@ def run_dist(num_ranks: int, tokens: int, hidden: int, top_k: int, repeats: int,
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_dist_worker, args=(num_ranks, _free_port(), cfg, tmp), nprocs=num_ranks,
                  join=True)
-        ours, raw, routed = json.loads(Path(tmp, "dist.json").read_text())
+        timed = json.loads(Path(tmp, "dist.json").read_text())
     # Rows each rank sends and receives (about T*K each way, both directions, in and out).
     nbytes = 4 * tokens * top_k * hidden * 4
     label = f"{num_ranks} gloo ranks"
-    return [Row("dist", label, "dispatch+combine", ours * 1e3, _gbps(nbytes, ours), raw / ours),
-            Row("dist", label, "all_to_all_single x2", raw * 1e3, _gbps(nbytes, raw), 1.0),
-            Row("dist", label, "all_to_all_single x2, routed splits", routed * 1e3,
-                _gbps(nbytes, routed), raw / routed)]
+    raw = timed["all_to_all_single x2"]
+    return [Row("dist", label, method, seconds * 1e3, _gbps(nbytes, seconds), raw / seconds)
+            for method, seconds in timed.items()]
 
 
 # -- section 3: GPU kernels -------------------------------------------------------------------
@@ -365,8 +369,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         notes.append(f"dist: {args.ranks} gloo ranks on 127.0.0.1, one thread each, "
                      f"{args.dist_tokens} tokens x top-{args.top_k} per rank, D={args.dist_hidden}; "
                      f"time of the slowest rank; 'vs copy' is the raw exchange's time (even "
-                     f"splits) over each method's; 'routed splits' sends each rank the rows the "
-                     f"dispatch sends it (own rows stay local), the floor of the exchange")
+                     f"splits) over each method's; dispatch+combine includes routing, sorting, "
+                     f"the counts exchange and its host sync, the row exchange both ways (p2p: "
+                     f"point-to-point messages, own rows never sent; all_to_all: the collective "
+                     f"plus the slot-major reorder and its inverse) and the weighted combine; "
+                     f"'routed splits' sends each rank the rows the dispatch sends it, with own "
+                     f"rows through the collective as all_to_all does; raw pairs do no "
+                     f"permute, reorder or combine")
     if "gpu" in sections:
         if has_cupy_gpu():
             rows += run_gpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats,

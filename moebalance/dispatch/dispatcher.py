@@ -14,13 +14,24 @@ Steps of ``dispatch`` (kernels from :func:`moebalance.dispatch.kernels.kernels_f
    table of (placement, layer, this rank) -- the placement's token shares, local replicas first.
 2. counts: per-slot counts go to their owners (``all_to_all_single`` of int64), so that every
    rank knows the size of every message it will send and receive.
-3. permute + exchange: rows ``x[t]`` are gathered into (destination rank, local slot) order and
-   sent as point-to-point messages, one per (peer, local slot of the receiver), all in flight at
-   once. Each message is contiguous on both sides, so the received rows land directly in (local
-   slot, source rank) order -- each local slot's rows contiguous -- with no reorder pass; the
-   rows that stay on this rank are gathered straight into place while the messages travel.
+3. permute + exchange: rows ``x[t]`` are gathered into *sorted* order (destination rank, then
+   its local slot) and delivered in *slot-major* order (local slot, then source rank: each local
+   slot's rows contiguous), by one of two exchanges (``Dispatcher(exchange=...)``):
 
-``combine`` runs these backwards and ends with ``out[t] = sum_k w[t, k] * y[pair (t, k)]``.
+   * ``"all_to_all"``: one ``all_to_all_single`` with uneven splits moves all the rows (own rows
+     included), which arrive in (source rank, local slot) order; one gather on the receiver puts
+     them in slot-major order. The default on NCCL and any other non-gloo backend: one
+     collective is the standard, efficient exchange there, where many small messages are not.
+   * ``"p2p"``: point-to-point messages, one per (peer, local slot of the receiver), all in
+     flight at once (``batch_isend_irecv``). Each message is contiguous on both sides, so rows
+     land directly in slot-major order with no reorder pass; rows that stay on this rank are
+     gathered straight into place while the messages travel. The default on gloo, where it is
+     the faster of the two.
+
+``combine`` runs these backwards (the inverse reorder, then the reverse ``all_to_all_single``;
+or the reverse messages) and ends with ``out[t] = sum_k w[t, k] * y[pair (t, k)]``. The two
+exchanges only move rows; the arithmetic (gathers, weighted sums, their order) is shared, so
+they give bit-identical outputs and gradients.
 
 Host syncs: the counts exchange is followed by the single ``.tolist()`` of the per-step path
 (split sizes and rows per local slot must be host ints for the row exchange and the expert
@@ -28,16 +39,17 @@ GEMMs). Expert ids outside ``[0, E)`` are detected on the device and reported th
 exchange, so every rank of the group raises the ValueError together instead of leaving the
 others waiting in a collective.
 
-Autograd: gradients flow to ``x`` (permute's backward is combine with unit weights), through both
-exchanges (each one's backward is the reverse exchange), and to ``topk_weights``
+Autograd: gradients flow to ``x`` (permute's backward is combine with unit weights), through the
+row exchange (its backward is the reverse exchange, reorders included), and to ``topk_weights``
 (:func:`combine_weight_grad`). Every rank must run backward through the same exchanges:
 ``x.requires_grad`` must agree across the ranks of the group (it does when all ranks run the
 same model).
 
-Buffers: on CPU, large outputs and intermediates come from a small process-wide pool that lends a
-buffer again only once nothing else references it (a fresh mmap'ed buffer pays a page fault per
-4 KiB, as costly as filling it); :func:`release_buffers` frees the pool. A Dispatcher is used by
-one thread at a time, like the collectives of its group.
+Buffers: on CPU, large outputs and intermediates (send buffers, rows before the reorder) come
+from a small process-wide pool that lends a buffer again only once nothing else references it (a
+fresh mmap'ed buffer pays a page fault per 4 KiB, as costly as filling it);
+:func:`release_buffers` frees the pool. A Dispatcher is used by one thread at a time, like the
+collectives of its group.
 
 Legend: T tokens on this rank, K top-k, D hidden size, E logical experts, S global slots, G ranks
 of the group, N = T*K routed pairs, M rows received by this rank (pairs routed to its slots).
@@ -49,6 +61,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -58,7 +71,7 @@ from ..placement import Placement
 from .kernels import kernels_for
 from .routing import RoutingTable, routing_table
 
-__all__ = ["Dispatcher", "DispatchHandle", "RANK_PAIR_STRIDE", "release_buffers"]
+__all__ = ["Dispatcher", "DispatchHandle", "EXCHANGES", "RANK_PAIR_STRIDE", "release_buffers"]
 
 # Rank r hashes pair p as pair_offset + p with pair_offset = r * RANK_PAIR_STRIDE: ranks use
 # disjoint stretches of one Weyl sequence (for calls of up to 2**24 pairs), so the same pair index
@@ -69,6 +82,9 @@ RANK_PAIR_STRIDE = 1 << 24
 
 # Placements whose routing tables are kept (the current one, the one being migrated to, spares).
 _CACHED_PLACEMENTS = 4
+
+# Values of Dispatcher(exchange=...).
+EXCHANGES = ("auto", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +97,7 @@ class DispatchHandle:
         order_N: [N] int64, pair index p = t*K + k at each sorted (sent) position.
         pos_TK: [T, K] int64, sorted position of each pair.
         topk_weights_TK: [T, K] float, the weights ``combine`` applies (autograd-tracked).
-        exchange: the row messages of this dispatch (None in a single process).
+        exchange: how the rows of this dispatch travel (see :attr:`exchange_kind`).
         placement, layer, rank: what the rows were routed by.
     """
 
@@ -89,7 +105,7 @@ class DispatchHandle:
     order_N: torch.Tensor
     pos_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
-    exchange: _ExchangePlan | None
+    exchange: _RowExchange
     placement: Placement
     layer: int
     rank: int
@@ -105,14 +121,19 @@ class DispatchHandle:
         return self.pos_TK.shape[0]
 
     @property
+    def exchange_kind(self) -> str:
+        """How the rows travelled: "p2p", "all_to_all", or "local" in a single process."""
+        return self.exchange.name
+
+    @property
     def send_splits(self) -> list | None:
         """Rows this rank sent to each rank at dispatch ([G] ints; None in a single process)."""
-        return None if self.exchange is None else self.exchange.rows_per_rank(sent=True)
+        return self.exchange.rows_per_rank(sent=True)
 
     @property
     def recv_splits(self) -> list | None:
         """Rows this rank received from each rank at dispatch ([G] ints; None in one process)."""
-        return None if self.exchange is None else self.exchange.rows_per_rank(sent=False)
+        return self.exchange.rows_per_rank(sent=False)
 
 
 # -- reusable CPU buffers -------------------------------------------------------------------------
@@ -175,19 +196,70 @@ def release_buffers() -> None:
     _POOL.clear()
 
 
-# -- the row exchange -----------------------------------------------------------------------------
+# -- how rows travel ------------------------------------------------------------------------------
+#
+# Rows live in two orders: *sorted* (this rank's N pairs grouped by global slot, so by destination
+# rank, then its local slot) and *slot-major* (the M rows this rank's slots receive, grouped by
+# local slot, then by source rank). A row exchange moves rows between the two; there is one class
+# per strategy, all with the interface of _RowExchange, and the autograd functions below are
+# written against that interface alone.
+
+
+class _RowExchange(Protocol):
+    """How the rows of one dispatch travel between sorted and slot-major order."""
+
+    name: ClassVar[str]   # "local", "p2p" or "all_to_all"
+    num_sorted: int       # N
+    num_slot_major: int   # M
+
+    def to_slot_major(self, kernels, src_TD: torch.Tensor, index_N: torch.Tensor,
+                      scale_N: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``src[index[i]] * scale[i]`` of the sorted positions i, delivered to the ranks of
+        their slots. src_TD [T, D], index_N [N] int64, scale_N [N] float or None.
+        Returns [M, D] slot-major rows (every row written)."""
+
+    def to_sorted(self, kernels, src_MD: torch.Tensor) -> torch.Tensor:
+        """Slot-major rows src_MD [M, D] back to their source ranks; returns [N, D] sorted rows."""
+
+    def rows_per_rank(self, sent: bool) -> list | None:
+        """[G] ints, rows sent to (``sent``) or received from each rank (None in one process)."""
+
+
+def _gather_span(kernels, src_TD, index_N, scale_N, start: int, stop: int, out) -> torch.Tensor:
+    """``kernels.gather_rows`` of sorted positions start:stop into ``out`` [stop - start, D]."""
+    scale = None if scale_N is None else scale_N[start:stop]
+    return kernels.gather_rows(src_TD, index_N[start:stop], scale, out=out)
 
 
 @dataclass(frozen=True, eq=False)
-class _ExchangePlan:
-    """The point-to-point messages of one dispatch, as host ints.
+class _LocalRows:
+    """A single process: every slot is local and sorted order is slot-major order."""
 
-    Rows live in two orders: *sorted* (this rank's N pairs grouped by global slot, so by
-    destination rank, then its local slot) and *slot-major* (the M rows this rank's slots
-    receive, grouped by local slot, then by source rank). One message carries the rows of one
-    (peer, local slot of the receiver) pair, which are contiguous in both orders, so rows land
-    directly where they belong: no reorder pass on either side. Rows that stay on this rank
-    never travel; they are copied (or gathered) straight into place.
+    name: ClassVar[str] = "local"
+    num_sorted: int
+    num_slot_major: int
+
+    def to_slot_major(self, kernels, src_TD, index_N, scale_N) -> torch.Tensor:
+        out_MD = _POOL.empty((self.num_slot_major, src_TD.shape[1]), src_TD.dtype, src_TD.device)
+        return kernels.gather_rows(src_TD, index_N, scale_N, out=out_MD)
+
+    def to_sorted(self, kernels, src_MD) -> torch.Tensor:
+        return src_MD
+
+    def rows_per_rank(self, sent: bool) -> None:
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class _PointToPoint:
+    """Rows as point-to-point messages, one per (peer, local slot of the receiver), all in flight
+    at once (``batch_isend_irecv``).
+
+    The rows of one (peer, receiver's local slot) pair are contiguous in both orders, so they
+    land directly where they belong: no reorder pass on either side. Rows that stay on this rank
+    never travel; they are gathered straight into place while the messages are in flight. The
+    fastest exchange on gloo, where it saves the reorder pass and the local rows' trip through
+    the transport.
 
     Attributes:
         group: the process group.
@@ -198,6 +270,7 @@ class _ExchangePlan:
         local_span: (start, stop) of this rank's own rows in sorted order.
     """
 
+    name: ClassVar[str] = "p2p"
     group: object
     num_sorted: int
     num_slot_major: int
@@ -207,7 +280,7 @@ class _ExchangePlan:
     local_span: tuple
 
     @staticmethod
-    def build(group, rank: int, slot_offsets, counts_S, recv_GL) -> _ExchangePlan:
+    def build(group, rank: int, slot_offsets, counts_S, recv_GL) -> _PointToPoint:
         """Messages from this rank's per-slot counts and the counts it receives.
 
         Args:
@@ -231,12 +304,11 @@ class _ExchangePlan:
         lo = int(slot_offsets[rank])
         local = tuple((int(sorted_start[lo + j]), int(slot_major[j, rank]), int(counts_S[lo + j]))
                       for j in range(Ls) if counts_S[lo + j])
-        return _ExchangePlan(group, int(sorted_start[-1]), int(recv_GL.sum()), tuple(to_peer),
+        return _PointToPoint(group, int(sorted_start[-1]), int(recv_GL.sum()), tuple(to_peer),
                              tuple(from_peer), local,
                              (int(sorted_start[lo]), int(sorted_start[lo + Ls])))
 
     def rows_per_rank(self, sent: bool) -> list:
-        """[G] ints: rows sent to (``sent``) or received from each rank, own rows included."""
         rows = [0] * dist.get_world_size(self.group)
         for peer, _, _, n in (self.to_peer if sent else self.from_peer):
             rows[peer] += n
@@ -250,23 +322,25 @@ class _ExchangePlan:
                            group_peer=peer, tag=tag) for peer, tag, start, n in send_msgs]
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def to_slot_major(self, send_ND: torch.Tensor, out_MD: torch.Tensor,
-                      fill_local) -> torch.Tensor:
-        """Send the rows of ``send_ND`` (sorted order, [N, D]) to their slots' ranks.
-
-        Received rows go into ``out_MD`` [M, D]; ``fill_local(out_MD)`` writes this rank's own
-        rows while the messages are in flight. Returns ``out_MD``.
-        """
+    def to_slot_major(self, kernels, src_TD, index_N, scale_N) -> torch.Tensor:
+        D, dtype, device = src_TD.shape[1], src_TD.dtype, src_TD.device
+        # Only the rows that leave are gathered here (the local span of send_ND stays unused).
+        send_ND = _POOL.empty((self.num_sorted, D), dtype, device)
+        lo, hi = self.local_span
+        for a, b in ((0, lo), (hi, self.num_sorted)):
+            if b > a:
+                _gather_span(kernels, src_TD, index_N, scale_N, a, b, send_ND[a:b])
+        out_MD = _POOL.empty((self.num_slot_major, D), dtype, device)
         works = self._post(out_MD, self.from_peer, send_ND, self.to_peer)
-        fill_local(out_MD)
+        for sorted_start, slot_start, n in self.local:
+            _gather_span(kernels, src_TD, index_N, scale_N, sorted_start, sorted_start + n,
+                         out_MD[slot_start:slot_start + n])
         for work in works:
             work.wait()
         return out_MD
 
-    def to_sorted(self, src_MD: torch.Tensor, out_ND: torch.Tensor) -> torch.Tensor:
-        """Send slot-major rows ``src_MD`` [M, D] back to their sources; each rank receives
-        its rows in sorted order into ``out_ND`` [N, D] (every row written). Returns ``out_ND``.
-        """
+    def to_sorted(self, kernels, src_MD) -> torch.Tensor:
+        out_ND = _POOL.empty((self.num_sorted, src_MD.shape[1]), src_MD.dtype, src_MD.device)
         works = self._post(out_ND, self.to_peer, src_MD, self.from_peer)
         for sorted_start, slot_start, n in self.local:
             out_ND[sorted_start:sorted_start + n].copy_(src_MD[slot_start:slot_start + n])
@@ -274,75 +348,137 @@ class _ExchangePlan:
             work.wait()
         return out_ND
 
-    def copy_local(self, src_ND: torch.Tensor, out_MD: torch.Tensor) -> None:
-        """Copy this rank's own rows from sorted ``src_ND`` into slot-major ``out_MD``."""
-        for sorted_start, slot_start, n in self.local:
-            out_MD[slot_start:slot_start + n].copy_(src_ND[sorted_start:sorted_start + n])
+
+@dataclass(frozen=True, eq=False)
+class _AllToAll:
+    """Rows through one ``all_to_all_single`` each way, reordered on the receiver.
+
+    The collective delivers rows in (source rank, local slot) order; one gather with
+    ``index_M`` puts them in slot-major order, and ``combine`` undoes it with ``inverse_M``
+    before the reverse collective. The standard exchange on NCCL, where one collective beats
+    many small point-to-point messages.
+
+    Attributes:
+        group: the process group.
+        num_sorted: N; num_slot_major: M.
+        send_splits: [G] ints, rows sent to each rank at dispatch (own rows included).
+        recv_splits: [G] ints, rows received from each rank at dispatch.
+        index_M: [M] int64 (device), received row (source-rank order) of each slot-major row.
+        inverse_M: [M] int64 (device), the inverse permutation.
+    """
+
+    name: ClassVar[str] = "all_to_all"
+    group: object
+    num_sorted: int
+    num_slot_major: int
+    send_splits: list
+    recv_splits: list
+    index_M: torch.Tensor
+    inverse_M: torch.Tensor
+
+    @staticmethod
+    def build(group, slot_offsets, counts_S, recv_GL, recv_counts_GL) -> _AllToAll:
+        """Split sizes and the reorder from the counts (host ints and, for the reorder, the
+        same received counts still on the device, so that no host-to-device copy is needed).
+
+        Args:
+            slot_offsets: [G + 1] ints, rank g owns slots slot_offsets[g]:slot_offsets[g + 1].
+            counts_S: [S] ints, this rank's pairs per global slot.
+            recv_GL: [G, Ls] ints, rows each rank sends to each of this rank's local slots.
+            recv_counts_GL: [G, Ls] int64 tensor on the rows' device, the same counts.
+        """
+        sorted_start = np.concatenate([[0], np.cumsum(counts_S)])
+        send_splits = np.diff(sorted_start[slot_offsets]).tolist()
+        M = int(recv_GL.sum())
+        index_M, inverse_M = _slot_major_index(recv_counts_GL, M)
+        return _AllToAll(group, int(sorted_start[-1]), M, send_splits,
+                         recv_GL.sum(axis=1).tolist(), index_M, inverse_M)
+
+    def rows_per_rank(self, sent: bool) -> list:
+        return list(self.send_splits if sent else self.recv_splits)
+
+    def _all_to_all(self, src, num_out: int, out_splits: list, in_splits: list) -> torch.Tensor:
+        out = _POOL.empty((num_out, src.shape[1]), src.dtype, src.device)
+        dist.all_to_all_single(out, src, output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=self.group)
+        return out
+
+    def to_slot_major(self, kernels, src_TD, index_N, scale_N) -> torch.Tensor:
+        D, dtype, device = src_TD.shape[1], src_TD.dtype, src_TD.device
+        send_ND = kernels.gather_rows(src_TD, index_N, scale_N,
+                                      out=_POOL.empty((self.num_sorted, D), dtype, device))
+        by_rank_MD = self._all_to_all(send_ND, self.num_slot_major, self.recv_splits,
+                                      self.send_splits)
+        del send_ND   # back to the pool before the output is drawn from it
+        return kernels.gather_rows(by_rank_MD, self.index_M,
+                                   out=_POOL.empty((self.num_slot_major, D), dtype, device))
+
+    def to_sorted(self, kernels, src_MD) -> torch.Tensor:
+        by_rank_MD = kernels.gather_rows(src_MD, self.inverse_M, out=_POOL.empty(
+            src_MD.shape, src_MD.dtype, src_MD.device))
+        return self._all_to_all(by_rank_MD, self.num_sorted, self.send_splits, self.recv_splits)
+
+
+def _slot_major_index(recv_GL: torch.Tensor, num_rows: int):
+    """Gather index from (source rank, local slot) row order to (local slot, source rank) order.
+
+    Args:
+        recv_GL: [G, Ls] int64 (device), rows received from each rank for each local slot.
+        num_rows: M = recv_GL.sum(), known on the host (no sync here).
+
+    Returns:
+        index_M: [M] int64, received row of each slot-major row; inverse_M: its inverse.
+    """
+    G, Ls = recv_GL.shape
+    device = recv_GL.device
+    counts_GL = recv_GL.reshape(-1)
+    src_start_LG = (counts_GL.cumsum(0) - counts_GL).view(G, Ls).t().reshape(-1)
+    counts_LG = recv_GL.t().reshape(-1)
+    dst_start_LG = counts_LG.cumsum(0) - counts_LG
+    segment_M = torch.repeat_interleave(torch.arange(G * Ls, device=device), counts_LG,
+                                        output_size=num_rows)
+    rows_M = torch.arange(num_rows, device=device)
+    # Row r of slot-major segment (slot l, rank g) is received row src_start[g, l] + offset.
+    index_M = (src_start_LG - dst_start_LG).index_select(0, segment_M) + rows_M
+    inverse_M = torch.empty_like(index_M)
+    inverse_M[index_M] = rows_M
+    return index_M, inverse_M
 
 
 # -- autograd pieces ------------------------------------------------------------------------------
 
 
-def _gather_sent_rows(kernels, x_TD, token_N, plan: _ExchangePlan, out_ND) -> torch.Tensor:
-    """Gather the rows leaving this rank (sorted positions outside ``plan.local_span``)."""
-    lo, hi = plan.local_span
-    for a, b in ((0, lo), (hi, plan.num_sorted)):
-        if b > a:
-            kernels.gather_rows(x_TD, token_N[a:b], out=out_ND[a:b])
-    return out_ND
-
-
 class _Dispatch(torch.autograd.Function):
-    """x rows to the slots of their pairs: permute, then exchange (plan None: permute only).
+    """x rows to the slots of their pairs: permute and exchange in one (``rows.to_slot_major``).
 
     Backward: the gradient rows travel back to sorted order and each token sums its K rows.
     """
 
     @staticmethod
-    def forward(ctx, x_TD, token_N, pos_TK, plan, kernels):
+    def forward(ctx, x_TD, token_N, pos_TK, rows: _RowExchange, kernels):
         ctx.save_for_backward(pos_TK)
-        ctx.plan, ctx.kernels = plan, kernels
-        D = x_TD.shape[1]
-        if plan is None:
-            out_ND = _POOL.empty((token_N.shape[0], D), x_TD.dtype, x_TD.device)
-            return kernels.gather_rows(x_TD, token_N, out=out_ND)
-        send_ND = _gather_sent_rows(kernels, x_TD, token_N, plan,
-                                    _POOL.empty((plan.num_sorted, D), x_TD.dtype, x_TD.device))
-
-        def gather_local(out_MD):
-            for sorted_start, slot_start, n in plan.local:
-                kernels.gather_rows(x_TD, token_N[sorted_start:sorted_start + n],
-                                    out=out_MD[slot_start:slot_start + n])
-
-        out_MD = _POOL.empty((plan.num_slot_major, D), x_TD.dtype, x_TD.device)
-        return plan.to_slot_major(send_ND, out_MD, gather_local)
+        ctx.rows, ctx.kernels = rows, kernels
+        return rows.to_slot_major(kernels, x_TD, token_N, None)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_MD):
         (pos_TK,) = ctx.saved_tensors
-        plan, kernels = ctx.plan, ctx.kernels
-        grad_MD = grad_MD.contiguous()
-        if plan is not None:
-            grad_MD = plan.to_sorted(grad_MD, _POOL.empty((plan.num_sorted, grad_MD.shape[1]),
-                                                          grad_MD.dtype, grad_MD.device))
-        return kernels.combine(grad_MD, pos_TK, None), None, None, None, None
+        grad_ND = ctx.rows.to_sorted(ctx.kernels, grad_MD.contiguous())
+        return ctx.kernels.combine(grad_ND, pos_TK, None), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """Slot outputs back to their tokens: exchange (plan None: none), then the weighted sum
+    """Slot outputs back to their tokens (``rows.to_sorted``), then the weighted sum
     out[t] = sum_k w[t, k] * y[pos[t, k]]; gradients for y and w."""
 
     @staticmethod
-    def forward(ctx, y_MD, weights_TK, pos_TK, token_N, order_N, plan, kernels):
-        y_ND = y_MD
-        if plan is not None:
-            y_ND = plan.to_sorted(y_MD, _POOL.empty((plan.num_sorted, y_MD.shape[1]), y_MD.dtype,
-                                                    y_MD.device))
+    def forward(ctx, y_MD, weights_TK, pos_TK, token_N, order_N, rows: _RowExchange, kernels):
+        y_ND = rows.to_sorted(kernels, y_MD)
         # y_ND is kept only when the weights need a gradient (it is their dot product partner).
         ctx.save_for_backward(y_ND if ctx.needs_input_grad[1] else None, weights_TK, pos_TK,
                               token_N, order_N)
-        ctx.plan, ctx.kernels = plan, kernels
+        ctx.rows, ctx.kernels = rows, kernels
         out = _POOL.empty((pos_TK.shape[0], y_MD.shape[1]), y_MD.dtype, y_MD.device)
         return kernels.combine(y_ND, pos_TK, weights_TK, out=out)
 
@@ -350,21 +486,13 @@ class _Combine(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_TD):
         y_ND, weights_TK, pos_TK, token_N, order_N = ctx.saved_tensors
-        plan, kernels = ctx.plan, ctx.kernels
+        kernels = ctx.kernels
         grad_TD = grad_TD.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             # Row i of y (sorted order) is pair order[i]: its gradient is w[pair] * grad[token].
             scale_N = weights_TK.reshape(-1).index_select(0, order_N)
-            D = grad_TD.shape[1]
-            grad_ND = kernels.gather_rows(grad_TD, token_N, scale_N, out=_POOL.empty(
-                (token_N.shape[0], D), grad_TD.dtype, grad_TD.device))
-            if plan is None:
-                grad_y = grad_ND
-            else:
-                grad_y = plan.to_slot_major(
-                    grad_ND, _POOL.empty((plan.num_slot_major, D), grad_TD.dtype, grad_TD.device),
-                    lambda out_MD: plan.copy_local(grad_ND, out_MD))
+            grad_y = ctx.rows.to_slot_major(kernels, grad_TD, token_N, scale_N)
         if ctx.needs_input_grad[1]:
             grad_w = kernels.combine_weight_grad(grad_TD, y_ND, pos_TK).to(weights_TK.dtype)
         return grad_y, grad_w, None, None, None, None, None
@@ -418,6 +546,11 @@ class Dispatcher:
         group: the torch.distributed process group whose ranks are the placement's devices
             (rank r of the group serves device r). None: the default group if torch.distributed
             is initialised, else a single process (no communication).
+        exchange: how rows travel between ranks: "all_to_all" (one ``all_to_all_single`` each
+            way and a reorder on the receiver), "p2p" (one point-to-point message per (peer,
+            local slot), no reorder), or "auto": "p2p" where the group's backend for the rows'
+            device is gloo, "all_to_all" for any other backend (NCCL). Both give bit-identical
+            outputs and gradients.
         debug: also check, with host syncs, that ``x`` and ``topk_weights`` are finite and that
             every expert id is in range before any communication (the id check always runs, for
             free, through the counts exchange).
@@ -427,24 +560,40 @@ class Dispatcher:
     means new tables).
     """
 
-    def __init__(self, group=None, *, debug: bool = False) -> None:
+    def __init__(self, group=None, *, exchange: str = "auto", debug: bool = False) -> None:
+        if not isinstance(exchange, str) or exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}; "
+                             f"\"auto\" picks \"p2p\" on gloo and \"all_to_all\" on other backends")
+        self._backend = None
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             if self.rank < 0:
                 raise ValueError("this process is not a member of group; build the Dispatcher "
                                  "only on the ranks of its expert-parallel group")
+            self._backend = str(dist.get_backend(group))
         elif group is not None:
             raise ValueError("group was given but torch.distributed is not initialised; call "
                              "torch.distributed.init_process_group first, or pass group=None")
         else:
             self.rank, self.world_size = 0, 1
         self.group = group
+        self.exchange = exchange
         self.debug = bool(debug)
         self._states: OrderedDict[int, _PlacementState] = OrderedDict()
 
     def __repr__(self) -> str:
-        return f"Dispatcher(rank={self.rank}, world_size={self.world_size}, debug={self.debug})"
+        return (f"Dispatcher(rank={self.rank}, world_size={self.world_size}, "
+                f"exchange={self.exchange!r}, debug={self.debug})")
+
+    def exchange_for(self, device_type: str) -> str:
+        """The exchange rows on ``device_type`` ("cpu", "cuda") use: "p2p" or "all_to_all",
+        or "local" in a single process (no exchange)."""
+        if self.world_size == 1:
+            return "local"
+        if self.exchange != "auto":
+            return self.exchange
+        return _auto_exchange(self._backend, device_type)
 
     # -- placement state ---------------------------------------------------------------------
 
@@ -558,8 +707,9 @@ class Dispatcher:
         if self.world_size == 1:
             host = torch.cat([counts_S, bad]).tolist()
             self._raise_bad_ids([host[-1]], E)
-            recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, None, kernels)
-            return recv_x_MD, DispatchHandle(tokens_per_local_slot=host[:-1], exchange=None,
+            rows = _LocalRows(order_N.shape[0], order_N.shape[0])
+            recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, rows, kernels)
+            return recv_x_MD, DispatchHandle(tokens_per_local_slot=host[:-1], exchange=rows,
                                              **common)
 
         G, Ls = self.world_size, state.num_local_slots
@@ -572,11 +722,15 @@ class Dispatcher:
         host = np.asarray(torch.cat([recv_counts, counts_S]).tolist(), dtype=np.int64)
         recv_GL1 = host[:G * (Ls + 1)].reshape(G, Ls + 1)
         self._raise_bad_ids(recv_GL1[:, Ls].tolist(), E)
-        recv_GL = recv_GL1[:, :Ls]
-        plan = _ExchangePlan.build(self.group, self.rank, state.slot_offsets,
-                                   host[G * (Ls + 1):], recv_GL)
-        recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, plan, kernels)
-        handle = DispatchHandle(tokens_per_local_slot=recv_GL.sum(axis=0).tolist(), exchange=plan,
+        recv_GL, counts_S_host = recv_GL1[:, :Ls], host[G * (Ls + 1):]
+        if self.exchange_for(device.type) == "p2p":
+            rows = _PointToPoint.build(self.group, self.rank, state.slot_offsets, counts_S_host,
+                                       recv_GL)
+        else:
+            rows = _AllToAll.build(self.group, state.slot_offsets, counts_S_host, recv_GL,
+                                   recv_counts.view(G, Ls + 1)[:, :Ls])
+        recv_x_MD = _Dispatch.apply(x_TD, token_N, pos_TK, rows, kernels)
+        handle = DispatchHandle(tokens_per_local_slot=recv_GL.sum(axis=0).tolist(), exchange=rows,
                                 **common)
         return recv_x_MD, handle
 
@@ -621,3 +775,18 @@ class Dispatcher:
         K = handle.pos_TK.shape[1]
         return _Combine.apply(y_MD.contiguous(), handle.topk_weights_TK, handle.pos_TK,
                               handle.order_N // K, handle.order_N, handle.exchange, kernels)
+
+
+def _auto_exchange(backend: str, device_type: str) -> str:
+    """The exchange "auto" picks for rows on ``device_type`` in a group of ``backend``.
+
+    ``backend`` is what ``torch.distributed.get_backend`` returns: one name ("gloo", "nccl") or
+    one per device type ("cpu:gloo,cuda:nccl"). Point-to-point messages win on gloo (no reorder
+    pass, own rows never enter the transport); elsewhere one all_to_all_single is the efficient
+    collective.
+    """
+    name = backend.lower()
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(","))
+        name = per_device.get(device_type, name)
+    return "p2p" if name == "gloo" else "all_to_all"
