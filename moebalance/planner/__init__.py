@@ -12,7 +12,7 @@ from .._arrays import as_loads
 from ..backends import backend
 from ..placement import Placement
 from ..topology import Topology
-from . import _jit, algorithm, eplb  # eplb registers its kernels before any compile
+from . import _jit, algorithm, eplb  # noqa: F401  (eplb registers its kernels before any compile)
 from .eplb import rebalance_experts
 
 # With a previous placement, moves go to a layer while its hottest device is more than this
@@ -60,7 +60,7 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
     w = as_loads(loads, "loads")
     L, E = w.shape
-    S, G = topology.num_slots, topology.num_devices
+    S = topology.num_slots
     if S < E:
         raise ValueError(
             f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "

@@ -410,6 +410,15 @@ def balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps):
 
 
 @kernel
+def replicas_of(phy2log, num_experts):
+    """[E] int64: slots holding each expert."""
+    reps = np.zeros(num_experts, dtype=np.int64)
+    for s in range(phy2log.shape[0]):
+        reps[phy2log[s]] += 1
+    return reps
+
+
+@kernel
 def hottest(load, speed):
     best = 0
     for g in range(1, load.shape[0]):
@@ -434,12 +443,9 @@ def replicate_onto_spare(w, speed, slot_device, slot_offsets, phy2log, share, lo
     """
     E = w.shape[0]
     G = speed.shape[0]
-    S = phy2log.shape[0]
     hot = hottest(load, speed)
     current = load[hot] / speed[hot]
-    reps = np.zeros(E, dtype=np.int64)
-    for s in range(S):
-        reps[phy2log[s]] += 1
+    reps = replicas_of(phy2log, E)
     lo = slot_offsets[hot]
     hi = slot_offsets[hot + 1]
     n_cand = 0
@@ -522,13 +528,10 @@ def swap_singles(w, speed, slot_device, slot_offsets, phy2log, share, load, max_
     elsewhere, choosing the pair that lowers the larger of the two devices' times most.
     Returns 2 if a swap was made, else 0."""
     E = w.shape[0]
-    G = speed.shape[0]
     S = phy2log.shape[0]
     hot = hottest(load, speed)
     current = load[hot] / speed[hot]
-    reps = np.zeros(E, dtype=np.int64)
-    for s in range(S):
-        reps[phy2log[s]] += 1
+    reps = replicas_of(phy2log, E)
     best_after = current
     best_a = -1
     best_b = -1
@@ -577,9 +580,7 @@ def best_change(w, speed, slot_device, slot_offsets, phy2log, share, load, max_s
     hottest time; returns the moves made (0, 1 or 2)."""
     E = w.shape[0]
     S = phy2log.shape[0]
-    reps = np.zeros(E, dtype=np.int64)
-    for s in range(S):
-        reps[phy2log[s]] += 1
+    reps = replicas_of(phy2log, E)
     current = max_time(load, speed)
     best = current * (1.0 - 1e-9)
     best_a = -1
