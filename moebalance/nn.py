@@ -220,7 +220,8 @@ class ExpertParallelMoE(nn.Module):
         seed: initial weights from this seed (expert e gets the weights ``DenseMoE(seed=seed)``
             gives it); None draws a seed from rank 0's global generator and broadcasts it, a
             construction-time collective.
-        exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); see
+        exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); nodes: the
+            node of each rank, to keep tokens on their node; see
             :class:`~moebalance.dispatch.Dispatcher`.
 
     Attributes: ``router``; ``experts`` (:class:`SlotExperts`, ``gate_up [Ls, 2F, D]``,
@@ -237,7 +238,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
-                 exchange: str = "auto") -> None:
+                 exchange: str = "auto", nodes=None) -> None:
         super().__init__()
         self.hidden_dim = _positive_int(hidden_size, "hidden_size")
         self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
@@ -248,7 +249,7 @@ class ExpertParallelMoE(nn.Module):
         if placement.num_experts != self.num_experts:
             raise ValueError(f"placement has {placement.num_experts} experts but num_experts="
                              f"{num_experts}; plan the placement for this layer's experts")
-        self.dispatcher = Dispatcher(group, exchange=exchange)
+        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes)
         if router is None:
             router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         elif not isinstance(router, nn.Module):
@@ -297,19 +298,19 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, placement: Placement, layer: int = 0,
-                   group=None, *, exchange: str = "auto") -> "ExpertParallelMoE":
+                   group=None, *, exchange: str = "auto", nodes=None) -> "ExpertParallelMoE":
         """The expert-parallel layer holding ``dense``'s weights: slot i copies its expert's.
 
         Args:
             dense: a :class:`DenseMoE` (identical on every rank).
-            placement, layer, group, exchange: as in the constructor.
+            placement, layer, group, exchange, nodes: as in the constructor.
         """
         if not isinstance(dense, DenseMoE):
             raise TypeError(f"dense must be a moebalance.nn.DenseMoE, got {type(dense).__name__}")
         router = dense.router
         moe = cls(router.hidden_dim, dense.experts.ffn_dim, router.num_experts, router.top_k,
                   placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0,
-                  exchange=exchange)
+                  exchange=exchange, nodes=nodes)
         moe.to(device=router.weight.device, dtype=router.weight.dtype)
         experts = torch.from_numpy(moe.local_experts).to(router.weight.device)
         with torch.no_grad():

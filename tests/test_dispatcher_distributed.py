@@ -78,9 +78,10 @@ def dense_layer(seed: int, num_experts: int, top_k: int, dtype, dead=()) -> Dens
     return dense
 
 
-def with_exchange(moe: ExpertParallelMoE, exchange: str) -> ExpertParallelMoE:
-    """``moe`` with its rows moved by ``exchange`` ("p2p" or "all_to_all")."""
-    moe.dispatcher = Dispatcher(exchange=exchange)
+def with_exchange(moe: ExpertParallelMoE, exchange: str, nodes=None) -> ExpertParallelMoE:
+    """``moe`` with its rows moved by ``exchange`` ("p2p" or "all_to_all"), routing with a
+    node preference when ``nodes`` is given."""
+    moe.dispatcher = Dispatcher(exchange=exchange, nodes=nodes)
     return moe
 
 
@@ -90,7 +91,7 @@ def labelled(exchange: str):
 
 
 def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, seed: int,
-                       rtol: float, atol: float) -> ExpertParallelMoE:
+                       rtol: float, atol: float, nodes=None) -> ExpertParallelMoE:
     """Forward + backward on the dense layer, then on the expert-parallel layer with each row
     exchange; outputs and every gradient must agree. Returns the last expert-parallel layer."""
     rank = dist.get_rank()
@@ -103,7 +104,7 @@ def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, s
     lo, hi = token_range(tokens_per_rank, rank)
 
     for exchange in MODES:
-        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange)
+        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange, nodes)
         x = x_all[lo:hi].clone().requires_grad_()
         out = moe(x)
         (out * proj_all[lo:hi]).sum().backward()
@@ -154,6 +155,16 @@ def outputs_and_gradients_match_dense_for_top_k_1_to_8():
         placement = random_placement(200 + k, E, slots)
         assert placement.replicas.max() > 1
         compare_with_dense(dense, placement, tokens, seed=300 + k, rtol=1e-5, atol=1e-6)
+
+
+def outputs_and_gradients_match_dense_with_node_preference():
+    """Routing that prefers replicas on the token's node (ranks 0-1 on node 0, 2-3 on node 1)
+    changes which replica a pair visits, never the math."""
+    E, slots, tokens = 8, [3, 4, 3, 2], [7, 5, 8, 3]
+    dense = dense_layer(901, E, 2, torch.float32)
+    placement = random_placement(902, E, slots)
+    assert placement.replicas.max() > 1
+    compare_with_dense(dense, placement, tokens, seed=903, rtol=1e-5, atol=1e-6, nodes=[0, 0, 1, 1])
 
 
 def outputs_and_gradients_match_dense_when_a_rank_receives_nothing():
@@ -363,6 +374,7 @@ def bad_input_raises_a_clear_error_on_every_rank():
 
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
+    outputs_and_gradients_match_dense_with_node_preference,
     outputs_and_gradients_match_dense_when_a_rank_receives_nothing,
     outputs_and_gradients_match_dense_in_float64_with_two_layers,
     rows_reach_a_replica_of_their_expert,
@@ -412,3 +424,9 @@ def test_auto_picks_p2p_on_gloo_and_all_to_all_on_other_backends():
     assert _auto_exchange("mpi", "cpu") == "all_to_all"
     assert _auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
     assert _auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
+
+
+def test_nodes_must_name_the_node_of_every_rank():
+    with pytest.raises(ValueError, match="nodes must give the integer node of each of the 1 ranks"):
+        Dispatcher(nodes=[0, 1])
+    assert Dispatcher(nodes=[3]).nodes == (3,)

@@ -153,3 +153,71 @@ def test_bad_arguments_raise_value_error(kwargs, match):
 def test_placement_of_wrong_type_raises_type_error():
     with pytest.raises(TypeError, match="placement"):
         routing_table(Topology([Device()]), 0, 0, 1)
+
+
+# -- node preference -------------------------------------------------------------------------------
+
+
+def _node_traffic(p: Placement, layer: int, nodes) -> tuple[np.ndarray, float]:
+    """Expected fraction received by every replica [E, X] (over all ranks), and the fraction of
+    all pairs that stay on their rank's node, with routing given ``nodes`` (None: no preference)."""
+    R = p.num_devices
+    node_of = np.asarray([0] * R if nodes is None else nodes)
+    received, on_node = 0.0, 0.0
+    for r in range(R):
+        slots, prob = route_probabilities(p, layer, r, R, nodes)
+        received = received + prob / R
+        device = p.slot_device[np.where(slots >= 0, slots, 0)]
+        on_node += np.where((slots >= 0) & (node_of[device] == node_of[r]), prob, 0.0).sum() / R
+    return received, on_node
+
+
+@given(placement_cases(max_devices=6, max_slots=4, max_layers=1))
+def test_node_preference_keeps_shares_and_rows(case):
+    p = case.placement
+    nodes = np.arange(p.num_devices) // 2
+    for r in range(p.num_devices):
+        _, prob = route_probabilities(p, 0, r, p.num_devices, nodes)
+        assert np.all(prob >= 0)
+        np.testing.assert_allclose(prob.sum(axis=1), 1.0, atol=1e-12)
+    received, _ = _node_traffic(p, 0, nodes)
+    slots = p.log2phy()[0]
+    valid = slots >= 0
+    np.testing.assert_allclose(received[valid], p.share[0][slots[valid]], atol=1e-9, rtol=0)
+
+
+@given(placement_cases(max_devices=6, max_slots=4, max_layers=1))
+def test_node_preference_keeps_more_traffic_on_the_node(case):
+    p = case.placement
+    nodes = np.arange(p.num_devices) // 2
+    _, with_nodes = _node_traffic(p, 0, nodes)
+    # the same routing without a node tier, judged by the same node map
+    R = p.num_devices
+    without = 0.0
+    for r in range(R):
+        slots, prob = route_probabilities(p, 0, r, R)
+        device = p.slot_device[np.where(slots >= 0, slots, 0)]
+        without += np.where((slots >= 0) & (nodes[device] == nodes[r]), prob, 0.0).sum() / R
+    assert with_nodes >= without - 1e-9
+
+
+def test_node_preference_sends_across_nodes_only_what_the_node_cannot_take():
+    # Expert 0: replicas on ranks 0 (node 0) and 2 (node 1), share 1/2 each; 4 ranks, 2 nodes.
+    phy2log = np.array([[0, 1, 1, 2, 0, 3, 3, 2]])
+    share = np.array([[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    p = Placement(phy2log, share, np.array([0, 0, 1, 1, 2, 2, 3, 3]), 4).validate()
+    nodes = [0, 0, 1, 1]
+    # rank 1 holds no replica of expert 0; the one on its node (rank 0) has room: all its
+    # expert-0 pairs stay on node 0.
+    slots, prob = route_probabilities(p, 0, 1, 4, nodes)
+    row = dict(zip(slots[0].tolist(), prob[0].tolist()))
+    assert row[0] == pytest.approx(1.0) and row[4] == pytest.approx(0.0)
+    # without node preference half of them would cross to rank 2 on node 1
+    slots, prob = route_probabilities(p, 0, 1, 4)
+    row = dict(zip(slots[0].tolist(), prob[0].tolist()))
+    assert row[0] == pytest.approx(0.5) and row[4] == pytest.approx(0.5)
+
+
+def test_bad_nodes_argument_is_a_clear_error():
+    with pytest.raises(ValueError, match="nodes must list the integer node of each of the 3 ranks"):
+        routing_table(_example(), 0, 0, 3, nodes=[0, 1])

@@ -504,11 +504,12 @@ class _Combine(torch.autograd.Function):
 class _PlacementState:
     """Host facts about one placement, checked once, and its routing tables per (layer, device)."""
 
-    def __init__(self, placement: Placement, rank: int, world_size: int) -> None:
+    def __init__(self, placement: Placement, rank: int, world_size: int, nodes=None) -> None:
         placement.validate()
         self.placement = placement  # strong reference: the cache key id() cannot be reused
         self.rank = rank
         self.world_size = world_size
+        self.nodes = nodes
         slots_per_rank = np.bincount(placement.slot_device, minlength=world_size)
         self.slot_offsets = np.concatenate([[0], np.cumsum(slots_per_rank)]).astype(np.int64)
         self.slots_per_rank = slots_per_rank.tolist()
@@ -520,7 +521,8 @@ class _PlacementState:
         key = (layer, device)
         table = self._tables.get(key)
         if table is None:
-            table = routing_table(self.placement, layer, self.rank, self.world_size, device=device)
+            table = routing_table(self.placement, layer, self.rank, self.world_size, device=device,
+                                  nodes=self.nodes)
             self._tables[key] = table
         return table
 
@@ -551,6 +553,10 @@ class Dispatcher:
             local slot), no reorder), or "auto": "p2p" where the group's backend for the rows'
             device is gloo, "all_to_all" for any other backend (NCCL). Both give bit-identical
             outputs and gradients.
+        nodes: the node of each rank of the group (e.g. ``topology.node``): routing then sends
+            a rank's pairs to replicas on its own node before other nodes (after its own
+            device), keeping all-to-all traffic local; the shares are met either way. None: no
+            node preference.
         debug: also check, with host syncs, that ``x`` and ``topk_weights`` are finite and that
             every expert id is in range before any communication (the id check always runs, for
             free, through the counts exchange).
@@ -560,7 +566,8 @@ class Dispatcher:
     means new tables).
     """
 
-    def __init__(self, group=None, *, exchange: str = "auto", debug: bool = False) -> None:
+    def __init__(self, group=None, *, exchange: str = "auto", nodes=None,
+                 debug: bool = False) -> None:
         if not isinstance(exchange, str) or exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}; "
                              f"\"auto\" picks \"p2p\" on gloo and \"all_to_all\" on other backends")
@@ -579,6 +586,14 @@ class Dispatcher:
             self.rank, self.world_size = 0, 1
         self.group = group
         self.exchange = exchange
+        if nodes is not None:
+            nodes = np.asarray(nodes)
+            if nodes.shape != (self.world_size,) or not np.issubdtype(nodes.dtype, np.integer):
+                raise ValueError(f"nodes must give the integer node of each of the "
+                                 f"{self.world_size} ranks of the group (e.g. topology.node), "
+                                 f"got {nodes.tolist()!r}; or pass None for no node preference")
+            nodes = tuple(int(n) for n in nodes)
+        self.nodes = nodes
         self.debug = bool(debug)
         self._states: OrderedDict[int, _PlacementState] = OrderedDict()
 
@@ -607,7 +622,7 @@ class Dispatcher:
                     f"placement spans {placement.num_devices} devices but the process group has "
                     f"{self.world_size} ranks; plan for a topology of {self.world_size} devices "
                     f"(one per rank)")
-            state = _PlacementState(placement, self.rank, self.world_size)
+            state = _PlacementState(placement, self.rank, self.world_size, self.nodes)
             self._states[id(placement)] = state
             while len(self._states) > _CACHED_PLACEMENTS:
                 self._states.popitem(last=False)

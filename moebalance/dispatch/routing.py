@@ -11,6 +11,11 @@ tokens): replica ``j`` with share ``s_j`` on rank ``d_j`` keeps ``p[d_j, j] = mi
 its own rank's tokens, so traffic stays local wherever the share allows; the capacity left,
 ``c_j = s_j - p[d_j, j] / R``, is filled by every rank's remaining mass in proportion to ``c_j``.
 Summed over ranks, replica ``j`` then receives exactly ``s_j`` of the expert's tokens.
+
+When the node of every rank is known (``nodes``), a node tier sits between the two: the ranks of
+a node first send their remaining mass to the remaining capacity of replicas on the same node
+(as much as both allow, each rank in proportion to its mass, each replica to its capacity), and
+only what is left crosses nodes. The shares are met exactly either way.
 """
 
 from __future__ import annotations
@@ -72,9 +77,22 @@ def _replica_slots(placement: Placement, layer: int) -> np.ndarray:
     return out
 
 
-def route_probabilities(placement: Placement, layer: int, rank: int,
-                        num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+def _check_nodes(nodes, num_ranks: int) -> np.ndarray | None:
+    if nodes is None:
+        return None
+    arr = np.asarray(nodes)
+    if arr.shape != (num_ranks,) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"nodes must list the integer node of each of the {num_ranks} ranks, got "
+                         f"{nodes!r}; pass e.g. topology.node, or None for no node preference")
+    return arr.astype(np.int64)
+
+
+def route_probabilities(placement: Placement, layer: int, rank: int, num_ranks: int,
+                        nodes=None) -> tuple[np.ndarray, np.ndarray]:
     """Exact (float64) routing probabilities of ``rank`` for every expert of ``layer``.
+
+    ``nodes`` ([R] ints, optional): the node of each rank; replicas on the rank's own node are
+    then preferred after its own device's.
 
     Returns:
         slots_EX: [E, X] int64, replica slots, -1 padded.
@@ -82,6 +100,7 @@ def route_probabilities(placement: Placement, layer: int, rank: int,
             rows sum to 1, padded entries and replicas with share 0 are exactly 0.
     """
     _check(placement, layer, rank, num_ranks)
+    node_of = _check_nodes(nodes, num_ranks)
     slots = _replica_slots(placement, int(layer))
     valid = slots >= 0
     safe = np.where(valid, slots, 0)
@@ -93,6 +112,9 @@ def route_probabilities(placement: Placement, layer: int, rank: int,
     capacity = np.maximum(share - local / R, 0.0)
     prob = np.where(device == rank, local, 0.0)
     remaining = np.maximum(1.0 - prob.sum(axis=1), 0.0)
+    if node_of is not None:
+        prob, remaining, capacity = _node_tier(prob, remaining, capacity, local, device, valid,
+                                               node_of, rank)
     cap_sum = capacity.sum(axis=1)
     # cap_sum == 0 only when every rank keeps all its tokens local (remaining ~ 0 everywhere);
     # spreading any rounding residue by share keeps rows summing to 1.
@@ -101,6 +123,38 @@ def route_probabilities(placement: Placement, layer: int, rank: int,
     prob = prob + remaining[:, None] * spread
     prob = prob / prob.sum(axis=1, keepdims=True)
     return slots, prob
+
+
+def _node_tier(prob, remaining, capacity, local, device, valid, node_of, rank):
+    """Send each rank's remaining mass to same-node replicas first (see the module docstring).
+
+    Args (E experts, X replica columns): prob [E, X] (this rank's local tier), remaining [E]
+    (this rank's mass left), capacity [E, X] (replica capacity left after every rank's local
+    tier), local [E, X] (min(1, R*share)), device [E, X] (-1 padding), valid [E, X]; node_of [R].
+
+    Returns prob, remaining and capacity after every node's tier (the global tier spreads what
+    is left over the capacity every node left).
+    """
+    R = node_of.shape[0]
+    replica_node = np.where(valid, node_of[np.where(valid, device, 0)], -1)  # [E, X]
+    left = capacity.copy()
+    for n in np.unique(node_of):
+        on_node = replica_node == n
+        # Mass the ranks of node n have left after their local tier: 1 - their replica's take.
+        mass = np.zeros(prob.shape[0])
+        for r in np.flatnonzero(node_of == n):
+            mass += np.maximum(1.0 - np.where(device == r, local, 0.0).sum(axis=1), 0.0)
+        mass /= R
+        cap = np.where(on_node, capacity, 0.0).sum(axis=1)                   # [E]
+        flow = np.minimum(mass, cap)
+        take = np.where(cap > 0, flow / np.where(cap > 0, cap, 1.0), 0.0)
+        left = np.where(on_node, capacity * (1.0 - take)[:, None], left)
+        if n == node_of[rank]:
+            sent = remaining * np.where(mass > 0, flow / np.where(mass > 0, mass, 1.0), 0.0)
+            spread = np.where(on_node, capacity, 0.0) / np.where(cap > 0, cap, 1.0)[:, None]
+            prob = prob + sent[:, None] * spread
+            remaining = remaining - sent
+    return prob, np.maximum(remaining, 0.0), np.maximum(left, 0.0)
 
 
 def _quantise(prob_EX: np.ndarray) -> np.ndarray:
@@ -124,7 +178,7 @@ def _quantise(prob_EX: np.ndarray) -> np.ndarray:
 
 
 def routing_table(placement: Placement, layer: int, rank: int, num_ranks: int,
-                  device: torch.device | str | None = None) -> RoutingTable:
+                  device: torch.device | str | None = None, nodes=None) -> RoutingTable:
     """Routing table of ``layer`` for pairs that start on ``rank`` (see the module docstring).
 
     Args:
@@ -133,11 +187,13 @@ def routing_table(placement: Placement, layer: int, rank: int, num_ranks: int,
         rank: this rank.
         num_ranks: R, the expert-parallel world size (must equal placement.num_devices).
         device: where to put the table's tensors (default CPU).
+        nodes: [R] node of each rank (e.g. ``topology.node``) to prefer same-node replicas
+            after the rank's own; None: no node preference.
 
     Returns:
         RoutingTable with slots_EX [E, X] and thresholds_EX [E, X] int64.
     """
-    slots, prob = route_probabilities(placement, layer, rank, num_ranks)
+    slots, prob = route_probabilities(placement, layer, rank, num_ranks, nodes)
     thresholds = np.cumsum(_quantise(prob), axis=1)
     table = RoutingTable(torch.from_numpy(slots), torch.from_numpy(thresholds))
     return table if device is None else table.to(device)
