@@ -32,7 +32,8 @@ def worker(rank: int, port: int, steps: int) -> None:
                             world_size=WORLD)
     # First placement from a guess (uniform loads); every rank computes the same one.
     placement = mb.plan(np.ones((1, EXPERTS)), TOPOLOGY)
-    moe = mb.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, placement, seed=0, nodes=TOPOLOGY.node)
+    moe = mb.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, placement, seed=0,
+                               nodes=TOPOLOGY.node)   # keep tokens on their node
     tracker = mb.attach(moe)
     optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
