@@ -49,8 +49,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             single moves repair it, worst layer first. Without ``max_moves``, a layer that
             repair leaves more than 2% above the fresh plan is re-planned from scratch.
         polish: extra improving moves per layer for a fresh plan of a large layer. Each costs
-            about one share re-balance (16 take 320 slots x 256 experts from ~1.012 to ~1.006
-            imbalance at ~10x the plan time); 0 keeps planning in milliseconds.
+            about one share re-balance (measured, 58 layers x 256 experts on 320 slots: 16
+            take imbalance from 1.014 to 1.006 and the plan from 4 ms to 60-85 ms); 0 keeps
+            planning in milliseconds.
         backend: "numba" or "numpy" to force an implementation (default: automatic).
 
     Returns:
