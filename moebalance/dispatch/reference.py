@@ -11,6 +11,11 @@ expert, S global slots, N = T*K routed pairs, pair index p = t*K + k, M rows of 
 Arithmetic: 16-bit inputs (bfloat16, float16) are computed in float32 and rounded once at the end;
 float32 in float32; float64 in float64 (:func:`compute_dtype`). Scales and weights of any float
 dtype are first converted to that compute dtype.
+
+Value checks (expert ids, slots and row indices in range) run for CPU tensors only: reading a
+device tensor's minimum and maximum on the host would stall every step. On an accelerator the
+Dispatcher checks expert ids through its counts exchange, and the other indices come from these
+kernels themselves.
 """
 
 from __future__ import annotations
@@ -88,9 +93,9 @@ def check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset) -> None:
 
 
 def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError if an expert id lies outside [0, num_experts) (host-side check; syncs)."""
-    if topk_ids_TK.numel() == 0:
-        return
+    """Raise ValueError if an expert id lies outside [0, num_experts) (CPU tensors only)."""
+    if topk_ids_TK.numel() == 0 or topk_ids_TK.device.type != "cpu":
+        return  # on an accelerator this would stall the step (see the module docstring)
     lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
     if lo < 0 or hi >= num_experts:
         bad = lo if lo < 0 else hi
@@ -106,9 +111,9 @@ def check_sort_by_slot(slot_TK, num_slots) -> None:
 
 
 def check_slot_values(slot_TK: torch.Tensor, num_slots: int) -> None:
-    """Raise ValueError if a slot id lies outside [0, num_slots) (host-side check; syncs)."""
-    if slot_TK.numel() == 0:
-        return
+    """Raise ValueError if a slot id lies outside [0, num_slots) (CPU tensors only)."""
+    if slot_TK.numel() == 0 or slot_TK.device.type != "cpu":
+        return  # on an accelerator this would stall the step (see the module docstring)
     lo, hi = int(slot_TK.min()), int(slot_TK.max())
     if lo < 0 or hi >= num_slots:
         bad = lo if lo < 0 else hi
@@ -140,9 +145,9 @@ def check_out(out, name_shape: tuple, dtype: torch.dtype, device: torch.device) 
 
 
 def check_index_values(index_N: torch.Tensor, num_rows: int, name: str = "index_N") -> None:
-    """Raise ValueError if a row index lies outside [0, num_rows) (host-side check; syncs)."""
-    if index_N.numel() == 0:
-        return
+    """Raise ValueError if a row index lies outside [0, num_rows) (CPU tensors only)."""
+    if index_N.numel() == 0 or index_N.device.type != "cpu":
+        return  # on an accelerator this would stall the step (see the module docstring)
     lo, hi = int(index_N.min()), int(index_N.max())
     if lo < 0 or hi >= num_rows:
         bad = lo if lo < 0 else hi
