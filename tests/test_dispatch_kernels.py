@@ -14,7 +14,9 @@ from moebalance.dispatch.routing import routing_table
 
 # (T tokens, K top-k, E experts, S slots, D hidden): T=0, K=1..8, odd sizes, more slots than used.
 SHAPES = [(0, 2, 4, 6, 8), (1, 1, 3, 3, 5), (37, 8, 16, 24, 33), (200, 4, 8, 12, 64),
-          (64, 3, 5, 20, 16), (513, 6, 32, 40, 7)]
+          (64, 3, 5, 20, 16), (513, 6, 32, 40, 7),
+          # past numba_kernels._SERIAL_BELOW pairs: the multi-threaded path of every kernel
+          (4500, 8, 16, 24, 4)]
 FLOATS = [torch.float32, torch.float64]
 
 

@@ -10,6 +10,9 @@ M rows of a gathered source, C chunks of a parallel counting sort.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import numba
 import numpy as np
 import torch
@@ -23,6 +26,23 @@ __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_gr
 _NUMBA_FLOATS = (torch.float32, torch.float64)
 # Below this many pairs per chunk, threads cost more than they save in the counting sort.
 _MIN_PAIRS_PER_CHUNK = 1 << 14
+# Below this many elements a kernel runs on the calling thread: waking workers costs more than
+# it saves, and far more when several ranks share the cores (a descheduled worker stalls it).
+_SERIAL_BELOW = 1 << 15
+
+
+@contextmanager
+def _threads_for(elements: int) -> Iterator[None]:
+    """Run the enclosed kernel call on one thread when ``elements`` is small."""
+    before = numba.get_num_threads()
+    if elements >= _SERIAL_BELOW or before == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 # -- kernels (numpy in, numpy out; inputs already checked) ------------------------------------
@@ -159,9 +179,10 @@ def route(topk_ids_TK: torch.Tensor, slots_EX: torch.Tensor, thresholds_EX: torc
     reference.check_expert_ids(topk_ids_TK, slots_EX.shape[0])
     out = torch.empty(topk_ids_TK.shape, dtype=torch.int64)
     if out.numel():
-        _route_kernel(_cpu(topk_ids_TK, "topk_ids_TK").reshape(-1), _cpu(slots_EX, "slots_EX"),
-                      _cpu(thresholds_EX, "thresholds_EX"), np.int64(pair_offset),
-                      out.detach().numpy().reshape(-1))
+        with _threads_for(out.numel()):
+            _route_kernel(_cpu(topk_ids_TK, "topk_ids_TK").reshape(-1),
+                          _cpu(slots_EX, "slots_EX"), _cpu(thresholds_EX, "thresholds_EX"),
+                          np.int64(pair_offset), out.detach().numpy().reshape(-1))
     return out
 
 
@@ -176,8 +197,9 @@ def sort_by_slot(slot_TK: torch.Tensor,
     counts = torch.zeros(num_slots, dtype=torch.int64)
     if n:
         chunks = max(1, min(numba.get_num_threads(), n // _MIN_PAIRS_PER_CHUNK))
-        _sort_kernel(_cpu(slot_TK, "slot_TK").reshape(-1), num_slots, chunks, order.numpy(),
-                     pos.numpy().reshape(-1), counts.numpy())
+        with _threads_for(n):
+            _sort_kernel(_cpu(slot_TK, "slot_TK").reshape(-1), num_slots, chunks, order.numpy(),
+                         pos.numpy().reshape(-1), counts.numpy())
     return order, pos, counts
 
 
@@ -195,11 +217,12 @@ def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor
     reference.check_index_values(index_N, x_MD.shape[0])
     if out.numel():
         x, index = _cpu(x_MD, "x_MD"), _cpu(index_N, "index_N")
-        if scale_N is None:
-            _gather_kernel(x, index, out.detach().numpy())
-        else:
-            scale = _cpu(scale_N.to(x_MD.dtype), "scale_N")
-            _gather_scaled_kernel(x, index, scale, out.detach().numpy())
+        with _threads_for(out.numel()):
+            if scale_N is None:
+                _gather_kernel(x, index, out.detach().numpy())
+            else:
+                scale = _cpu(scale_N.to(x_MD.dtype), "scale_N")
+                _gather_scaled_kernel(x, index, scale, out.detach().numpy())
     return out
 
 
@@ -217,11 +240,12 @@ def combine(y_ND: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor |
     reference.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
     if out.numel():
         y, pos = _cpu(y_ND, "y_ND"), _cpu(pos_TK, "pos_TK")
-        if weights_TK is None:
-            _combine_kernel(y, pos, out.detach().numpy())
-        else:
-            _combine_weighted_kernel(y, pos, _cpu(weights_TK.to(y_ND.dtype), "weights_TK"),
-                                     out.detach().numpy())
+        with _threads_for(pos.size * y_ND.shape[1]):
+            if weights_TK is None:
+                _combine_kernel(y, pos, out.detach().numpy())
+            else:
+                _combine_weighted_kernel(y, pos, _cpu(weights_TK.to(y_ND.dtype), "weights_TK"),
+                                         out.detach().numpy())
     return out
 
 
@@ -234,6 +258,7 @@ def combine_weight_grad(grad_TD: torch.Tensor, y_ND: torch.Tensor,
     reference.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
     out = torch.zeros(pos_TK.shape, dtype=y_ND.dtype)
     if out.numel():
-        _weight_grad_kernel(_cpu(grad_TD, "grad_TD"), _cpu(y_ND, "y_ND"), _cpu(pos_TK, "pos_TK"),
-                            out.detach().numpy())
+        with _threads_for(out.numel() * y_ND.shape[1]):
+            _weight_grad_kernel(_cpu(grad_TD, "grad_TD"), _cpu(y_ND, "y_ND"),
+                                _cpu(pos_TK, "pos_TK"), out.detach().numpy())
     return out
