@@ -63,3 +63,29 @@ def as_loads(loads, name: str = "loads", num_experts: int | None = None) -> np.n
             f"[layer {bad[0]}, expert {bad[1]}]"
         )
     return out
+
+
+def planning_loads(loads, topology) -> np.ndarray:
+    """Check ``topology`` and ``loads`` [L, E] together for planning; return loads as float64.
+
+    Raises TypeError for a topology that is not a moebalance.Topology, ValueError when the
+    topology has fewer slots than experts or a device with more slots than there are experts.
+    """
+    from .topology import Topology
+
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    w = as_loads(loads, "loads")
+    E, S = w.shape[1], topology.num_slots
+    if S < E:
+        raise ValueError(
+            f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "
+            f"devices or slots per device (slots >= num_experts)"
+        )
+    if int(topology.slots.max()) > E:
+        g = int(np.argmax(topology.slots))
+        raise ValueError(
+            f"device {g} has {int(topology.slots[g])} slots but there are only {E} experts and a "
+            f"device holds at most one replica of each; give it at most {E} slots"
+        )
+    return w

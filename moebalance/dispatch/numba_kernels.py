@@ -172,6 +172,14 @@ def _cpu(x: torch.Tensor, name: str) -> np.ndarray:
     return x.detach().contiguous().numpy()
 
 
+def _output(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """``out`` checked against ``shape`` and ``like``'s dtype and device, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype)
+    reference.check_out(out, shape, like.dtype, like.device)
+    return out
+
+
 def route(topk_ids_TK: torch.Tensor, slots_EX: torch.Tensor, thresholds_EX: torch.Tensor,
           pair_offset: int = 0) -> torch.Tensor:
     """See :func:`.reference.route`. Returns slot_TK [T, K] int64."""
@@ -209,11 +217,7 @@ def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor
     reference.check_gather_rows(x_MD, index_N, scale_N)
     if x_MD.dtype not in _NUMBA_FLOATS:
         return reference.gather_rows(x_MD, index_N, scale_N, out=out)
-    shape = (index_N.shape[0], x_MD.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=x_MD.dtype)
-    else:
-        reference.check_out(out, shape, x_MD.dtype, x_MD.device)
+    out = _output(out, (index_N.shape[0], x_MD.shape[1]), x_MD)
     reference.check_index_values(index_N, x_MD.shape[0])
     if out.numel():
         x, index = _cpu(x_MD, "x_MD"), _cpu(index_N, "index_N")
@@ -232,11 +236,7 @@ def combine(y_ND: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor |
     reference.check_combine(y_ND, pos_TK, weights_TK)
     if y_ND.dtype not in _NUMBA_FLOATS:
         return reference.combine(y_ND, pos_TK, weights_TK, out=out)
-    shape = (pos_TK.shape[0], y_ND.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=y_ND.dtype)
-    else:
-        reference.check_out(out, shape, y_ND.dtype, y_ND.device)
+    out = _output(out, (pos_TK.shape[0], y_ND.shape[1]), y_ND)
     reference.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
     if out.numel():
         y, pos = _cpu(y_ND, "y_ND"), _cpu(pos_TK, "pos_TK")

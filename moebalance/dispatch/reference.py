@@ -92,13 +92,21 @@ def check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset) -> None:
         raise ValueError(f"pair_offset must be a Python int >= 0, got {pair_offset!r}")
 
 
+def _outside(values: torch.Tensor, upper: int) -> int | None:
+    """A value of ``values`` outside [0, upper), or None; CPU tensors only: on an accelerator
+    reading the range on the host would stall the step (see the module docstring)."""
+    if values.numel() == 0 or values.device.type != "cpu":
+        return None
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0:
+        return lo
+    return hi if hi >= upper else None
+
+
 def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError if an expert id lies outside [0, num_experts) (CPU tensors only)."""
-    if topk_ids_TK.numel() == 0 or topk_ids_TK.device.type != "cpu":
-        return  # on an accelerator this would stall the step (see the module docstring)
-    lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-    if lo < 0 or hi >= num_experts:
-        bad = lo if lo < 0 else hi
+    bad = _outside(topk_ids_TK, num_experts)
+    if bad is not None:
         raise ValueError(f"topk_ids_TK holds expert id {bad}, outside [0, {num_experts}) of the "
                          f"routing table; route with the table of this layer")
 
@@ -112,11 +120,8 @@ def check_sort_by_slot(slot_TK, num_slots) -> None:
 
 def check_slot_values(slot_TK: torch.Tensor, num_slots: int) -> None:
     """Raise ValueError if a slot id lies outside [0, num_slots) (CPU tensors only)."""
-    if slot_TK.numel() == 0 or slot_TK.device.type != "cpu":
-        return  # on an accelerator this would stall the step (see the module docstring)
-    lo, hi = int(slot_TK.min()), int(slot_TK.max())
-    if lo < 0 or hi >= num_slots:
-        bad = lo if lo < 0 else hi
+    bad = _outside(slot_TK, num_slots)
+    if bad is not None:
         raise ValueError(f"slot_TK holds slot {bad}, outside [0, num_slots={num_slots})")
 
 
@@ -146,11 +151,8 @@ def check_out(out, name_shape: tuple, dtype: torch.dtype, device: torch.device) 
 
 def check_index_values(index_N: torch.Tensor, num_rows: int, name: str = "index_N") -> None:
     """Raise ValueError if a row index lies outside [0, num_rows) (CPU tensors only)."""
-    if index_N.numel() == 0 or index_N.device.type != "cpu":
-        return  # on an accelerator this would stall the step (see the module docstring)
-    lo, hi = int(index_N.min()), int(index_N.max())
-    if lo < 0 or hi >= num_rows:
-        bad = lo if lo < 0 else hi
+    bad = _outside(index_N, num_rows)
+    if bad is not None:
         raise ValueError(f"{name} holds row {bad}, outside [0, {num_rows})")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import as_loads
+from .._arrays import planning_loads
 from ..backends import backend
 from ..placement import Placement
 from ..topology import Topology
@@ -57,22 +57,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
     Returns:
         A validated :class:`Placement`; the same inputs give the same placement in any process.
     """
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    w = as_loads(loads, "loads")
+    w = planning_loads(loads, topology)
     L, E = w.shape
     S = topology.num_slots
-    if S < E:
-        raise ValueError(
-            f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "
-            f"devices or slots per device (slots >= num_experts)"
-        )
-    if int(topology.slots.max()) > E:
-        g = int(np.argmax(topology.slots))
-        raise ValueError(
-            f"device {g} has {int(topology.slots[g])} slots but there are only {E} experts and a "
-            f"device holds at most one replica of each; give it at most {E} slots"
-        )
     if previous is not None:
         if not isinstance(previous, Placement):
             raise TypeError(f"previous must be a moebalance.Placement or None, got "

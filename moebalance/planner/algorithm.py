@@ -488,12 +488,8 @@ def replicate_onto_spare(w, speed, slot_device, slot_offsets, phy2log, share, lo
     saved_l = load.copy()
     for i in range(min(MOVE_TRIALS, n_cand)):
         c = ranked[i]
-        victim = cand_victim[c]
-        f = phy2log[victim]
-        load[slot_device[victim]] -= w[f] * share[victim]
-        give_back_share(f, victim, phy2log, share, load, w, slot_device)
-        phy2log[victim] = phy2log[cand_src[c]]
-        share[victim] = 0.0
+        replace_in_slot(w, slot_device, phy2log, share, load, cand_victim[c],
+                        phy2log[cand_src[c]])
         balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
         if max_time(load, speed) < current * (1.0 - 1e-9):
             return 1
@@ -592,30 +588,25 @@ def best_change(w, speed, slot_device, slot_offsets, phy2log, share, load, max_s
     for a in range(S):
         old = phy2log[a]
         g = slot_device[a]
-        for e in range(-1, E) if reps[old] >= 2 else range(-1, -1):
-            if e < 0 or e == old or on_device(e, g, phy2log, slot_offsets):
-                continue
-            load[g] -= w[old] * share[a]
-            give_back_share(old, a, phy2log, share, load, w, slot_device)
-            phy2log[a] = e
-            balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
-            t = max_time(load, speed)
-            if t < best:
-                best, best_a, best_b, best_e = t, a, -1, e
-            phy2log[:] = saved_p
-            share[:] = saved_s
-            load[:] = saved_l
+        if reps[old] >= 2:
+            for e in range(E):
+                if e == old or on_device(e, g, phy2log, slot_offsets):
+                    continue
+                replace_in_slot(w, slot_device, phy2log, share, load, a, e)
+                balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+                t = max_time(load, speed)
+                if t < best:
+                    best, best_a, best_b, best_e = t, a, -1, e
+                phy2log[:] = saved_p
+                share[:] = saved_s
+                load[:] = saved_l
         for b in range(a + 1, S):
             h = slot_device[b]
             eb = phy2log[b]
             if h == g or eb == old or on_device(eb, g, phy2log, slot_offsets) or on_device(
                     old, h, phy2log, slot_offsets):
                 continue
-            load[g] += w[eb] * share[b] - w[old] * share[a]
-            load[h] += w[old] * share[a] - w[eb] * share[b]
-            phy2log[a] = eb
-            phy2log[b] = old
-            share[a], share[b] = share[b], share[a]
+            swap_slots(w, slot_device, phy2log, share, load, a, b)
             balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
             t = max_time(load, speed)
             if t < best:
@@ -625,26 +616,37 @@ def best_change(w, speed, slot_device, slot_offsets, phy2log, share, load, max_s
             load[:] = saved_l
     if best_a < 0:
         return 0
-    a = best_a
     if best_b < 0:
-        old = phy2log[a]
-        load[slot_device[a]] -= w[old] * share[a]
-        give_back_share(old, a, phy2log, share, load, w, slot_device)
-        phy2log[a] = best_e
+        replace_in_slot(w, slot_device, phy2log, share, load, best_a, best_e)
         balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
         return 1
-    b = best_b
-    g = slot_device[a]
-    h = slot_device[b]
-    old = phy2log[a]
-    eb = phy2log[b]
-    load[g] += w[eb] * share[b] - w[old] * share[a]
-    load[h] += w[old] * share[a] - w[eb] * share[b]
-    phy2log[a] = eb
-    phy2log[b] = old
-    share[a], share[b] = share[b], share[a]
+    swap_slots(w, slot_device, phy2log, share, load, best_a, best_b)
     balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
     return 2
+
+
+@kernel
+def replace_in_slot(w, slot_device, phy2log, share, load, slot, e):
+    """Slot ``slot`` stops serving its expert (whose share goes to that expert's other
+    replicas) and holds ``e`` with share 0 until the shares are re-balanced."""
+    old = phy2log[slot]
+    load[slot_device[slot]] -= w[old] * share[slot]
+    give_back_share(old, slot, phy2log, share, load, w, slot_device)
+    phy2log[slot] = e
+
+
+@kernel
+def swap_slots(w, slot_device, phy2log, share, load, a, b):
+    """Slots ``a`` and ``b`` (on different devices) exchange their experts and shares."""
+    g = slot_device[a]
+    h = slot_device[b]
+    ea = phy2log[a]
+    eb = phy2log[b]
+    load[g] += w[eb] * share[b] - w[ea] * share[a]
+    load[h] += w[ea] * share[a] - w[eb] * share[b]
+    phy2log[a] = eb
+    phy2log[b] = ea
+    share[a], share[b] = share[b], share[a]
 
 
 @kernel

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._arrays import as_loads, to_numpy
+from .._arrays import as_loads, planning_loads, to_numpy
 from ..backends import backend as _choose_backend
 from ..placement import Placement
 from ..topology import Topology
@@ -349,19 +349,9 @@ def eplb_style_plan(loads, topology: Topology) -> Placement:
     Returns:
         A validated :class:`~moebalance.Placement` with equal shares.
     """
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    w = as_loads(loads, "loads")
+    w = planning_loads(loads, topology)
     L, E = w.shape
     S = topology.num_slots
-    if S < E:
-        raise ValueError(f"topology has {S} slots for {E} experts: every expert needs a slot; "
-                         f"add devices or slots")
-    if int(topology.slots.max()) > E:
-        g = int(np.argmax(topology.slots))
-        raise ValueError(f"device {g} has {int(topology.slots[g])} slots but there are only {E} "
-                         f"experts and a device holds one replica of each at most; give it at "
-                         f"most {E} slots")
     counts = _capped_counts(w, S, topology.num_devices)
     phy2log = np.empty((L, S), dtype=np.int64)
     share = np.empty((L, S), dtype=np.float64)
