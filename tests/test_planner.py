@@ -212,6 +212,17 @@ def test_all_zero_layer_gets_a_valid_placement():
     np.testing.assert_array_equal(mb.imbalance(np.zeros((2, 5)), p, topo), 1.0)
 
 
+def test_a_device_that_must_hold_every_expert_does_not_stall_packing():
+    # Device 0 has a slot for each of the 5 experts, device 1 one slot, device 2 four: late
+    # replicas once found free slots only on devices already holding their expert.
+    topo = mb.Topology.from_arrays([2.0, 0.5, 1.0], [5, 1, 4])
+    w = np.array([[0.110, 1.053, 1.981, 2.729, 0.539], [6.184, 0.267, 0.516, 2.547, 1.050]])
+    for backend in ("numpy", "numba"):
+        p = mb.plan(w, topo, backend=backend)
+        p.validate(topo)
+        assert sorted(p.phy2log[0, topo.device_slots(0)]) == [0, 1, 2, 3, 4]
+
+
 def test_one_device_holds_every_expert():
     topo = mb.Topology.uniform(1, 4)
     p = mb.plan([[3.0, 1.0, 0.0, 2.0]], topo)

@@ -256,23 +256,29 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
                 else:
                     size = heap_pop(keys, ids, size)
             else:
-                best, s = make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds,
-                                    need)
+                best, s = make_room(e, phy2log, slot_piece, slots, slot_offsets, used, holds, need)
             for j in range(n_skipped):
                 g = skipped[j]
                 if used[g] < slots[g]:  # make_room may have filled it
                     size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g]), g)
+            if best < 0:
+                # No device can take this replica: drop it; its slot becomes a valve.
+                r[e] -= 1
+                continue
             phy2log[s] = e
-            share[s] = 1.0 / r[e]
             slot_piece[s] = u
             need[best] -= u
             holds[best, e] = True
+    for s in range(phy2log.shape[0]):
+        if phy2log[s] >= 0:
+            share[s] = 1.0 / r[phy2log[s]]
 
 
 @kernel
-def make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds, need):
+def make_room(e, phy2log, slot_piece, slots, slot_offsets, used, holds, need):
     """Every device with a free slot already holds ``e``: move another expert ``f`` from a full
-    device ``h`` into such a free slot, freeing a slot on ``h`` for ``e``. Returns (h, slot)."""
+    device ``h`` into such a free slot, freeing a slot on ``h`` for ``e``. Returns (h, slot),
+    or (-1, -1) when no such move exists (a device that must hold every expert, say)."""
     G = slots.shape[0]
     for g in range(G):
         if used[g] >= slots[g]:
@@ -287,14 +293,13 @@ def make_room(e, phy2log, share, slot_piece, slots, slot_offsets, used, holds, n
                 free = slot_offsets[g] + used[g]
                 used[g] += 1
                 phy2log[free] = f
-                share[free] = share[s]
                 slot_piece[free] = slot_piece[s]
                 need[g] -= slot_piece[s]
                 need[h] += slot_piece[s]
                 holds[g, f] = True
                 holds[h, f] = False
                 return h, s
-    raise ValueError("no device can take another replica of this expert")
+    return -1, -1
 
 
 # -- step 3: token shares ------------------------------------------------------------------------
