@@ -24,6 +24,10 @@ REBUILD_GAIN = 0.02
 # Improving moves a fresh plan makes per layer when the layer is small enough to search
 # exhaustively (slots x experts <= algorithm.EXHAUSTIVE_SIZE).
 SMALL_LAYER_MOVES = 16
+# Whole experts of a fresh plan are packed towards ideal * (1 +- HEADROOM) on alternate devices,
+# so that the valves that then even the devices out carry mid-range shares: a re-split can move
+# load through them either way, and small drifts need no move.
+HEADROOM = 0.0
 
 
 def _kernels(name: str | None = None):
@@ -85,25 +89,71 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         raise ValueError(f"backend must be 'numba', 'numpy' or None, got {backend!r}")
 
     k = _kernels(backend)
-    args = (topology.speed, topology.slots, topology.node, topology.slot_offsets,
-            topology.slot_device)
+    # quicksort: the kernel puts equal loads in expert order, so the sort need not be stable
+    order = np.argsort(-w, axis=1, kind="quicksort")
+    args = (order, topology.speed, topology.slots, topology.node, topology.slot_offsets,
+            topology.slot_device, _reserves(topology, E), HEADROOM)
     phy2log, share = k.plan_fresh(w, *args, SMALL_LAYER_MOVES, int(polish), algorithm.MAX_SWEEPS)
     if previous is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()
         fresh_time = _max_time(w, phy2log, share, topology)
         target = np.maximum(fresh_time, ideal) * (1.0 + float(tolerance))
         budget = -1 if max_moves is None else int(max_moves)
-        kept_p, kept_s, _ = k.plan_repair(
+        kept_p, kept_s, _, _ = k.plan_repair(
             w, topology.speed, topology.slot_offsets, topology.slot_device,
-            previous.phy2log.copy(), previous.share.copy(), target, budget, algorithm.MAX_SWEEPS)
-        if max_moves is None:
-            kept_time = _max_time(w, kept_p, kept_s, topology)
-            worse = kept_time > np.maximum(fresh_time, ideal) * (1.0 + REBUILD_GAIN)
-            kept_p[worse] = phy2log[worse]
-            kept_s[worse] = share[worse]
+            previous.phy2log, previous.share, target, budget, algorithm.MAX_SWEEPS)
         phy2log, share = kept_p, kept_s
+    # valid by construction (the tests validate every kind of plan): not validated again here
     return Placement(phy2log=phy2log, share=share, slot_device=topology.slot_device,
-                     num_experts=E).validate(topology)
+                     num_experts=E)
+
+
+def _reserves(topology: Topology, num_experts: int) -> np.ndarray:
+    """[V, G] int64: the ways the valve chain tries to keep slots free of whole experts.
+
+    One free slot on every device when S - E >= G (every device can take a valve), then the
+    spare slots where whole experts in proportion to speed leave them (see
+    :func:`_speed_reserve`); only the second when spare slots are fewer than devices.
+    """
+    key = (topology, num_experts)
+    if key not in _RESERVES:
+        G = topology.num_devices
+        rows = []
+        if topology.num_slots - num_experts >= G:
+            rows.append(np.minimum(1, topology.slots))
+        by_speed = _speed_reserve(topology, num_experts)
+        if not any(np.array_equal(by_speed, r) for r in rows):
+            rows.append(by_speed)
+        if len(_RESERVES) > 64:
+            _RESERVES.clear()
+        _RESERVES[key] = np.ascontiguousarray(np.stack(rows), dtype=np.int64)
+    return _RESERVES[key]
+
+
+_RESERVES: dict = {}
+
+
+def _speed_reserve(topology: Topology, num_experts: int) -> np.ndarray:
+    """[G] int64: free slots per device when whole experts are spread in proportion to speed
+    (at most a device's slots; largest remainders round)."""
+    speed = topology.speed
+    slots = topology.slots.astype(np.float64)
+    E = num_experts
+    # water level lam: sum_g min(slots_g, lam * speed_g) = E
+    lo, hi = 0.0, float(slots.max() / speed.min())
+    for _ in range(60):
+        lam = 0.5 * (lo + hi)
+        if np.minimum(slots, lam * speed).sum() < E:
+            lo = lam
+        else:
+            hi = lam
+    share = np.minimum(slots, hi * speed)
+    whole = np.floor(share + 1e-9).astype(np.int64)
+    short = E - int(whole.sum())
+    if short > 0:
+        rest = np.where(whole < topology.slots, share - whole, -1.0)
+        whole[np.argsort(-rest, kind="stable")[:short]] += 1
+    return topology.slots - whole
 
 
 def _max_time(w, phy2log, share, topology: Topology) -> np.ndarray:

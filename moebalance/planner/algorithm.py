@@ -34,6 +34,8 @@ SWEEP_TOL = 1e-7
 MAX_SWEEPS = 16
 # Candidate moves tried with a full share re-balance per improvement step, best estimate first.
 MOVE_TRIALS = 6
+# A repair step considers this many receiving devices (those with the most room).
+RECEIVERS = 8
 # Layers with slots x experts up to this are improved by exhaustive single-change search.
 EXHAUSTIVE_SIZE = 256
 
@@ -689,43 +691,365 @@ def improve_layer(w, speed, slot_device, slot_offsets, phy2log, share, load, tar
     return made
 
 
+# -- the fresh plan at the limit: whole experts, then a valve chain ------------------------------
+
+
+@kernel
+def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, headroom, per_slot,
+                ring, phy2log, share):
+    """Fresh plan of one layer that reaches every device's ideal load exactly when it can.
+
+    1. Whole experts, heaviest first (``order``), each to the device with the most room
+       (``per_slot``: per free slot), keeping ``reserve[g]`` slots of device ``g`` free. Room is measured against a
+       packing target of ``ideal * (1 + headroom)`` on even devices and ``ideal * (1 - headroom)``
+       on odd ones, so that the valves of step 2 end up carrying mid-range shares (a later
+       re-split can move load either way through them).
+    2. The valve chain: every device below its ideal load takes, in one free slot, a replica of
+       the largest piece of a device above it, carrying exactly its deficit (north-west-corner
+       order: the sender with the most excess first). A sender that gives more than its excess
+       turns into a receiver and takes its own deficit the same way from the next sender, so
+       every transfer settles one device: at most G - 1 valves. McNaughton's wrap-around is the
+       special case of a chain in device order.
+    3. Slots still free hold share-0 replicas of the heaviest experts their device lacks:
+       valves for re-plans.
+
+    Fills ``phy2log`` [S] and ``share`` [S]; returns the largest device time over ideal time
+    (1.0: exact). Needs ``sum(slots - reserve) >= E``.
+    """
+    E = w.shape[0]
+    G = speed.shape[0]
+    S = phy2log.shape[0]
+    total = 0.0
+    for e in range(E):
+        total += w[e]
+    total_speed = 0.0
+    for g in range(G):
+        total_speed += speed[g]
+    ideal = total / total_speed
+    cap = np.empty(G, dtype=np.float64)
+    goal = np.empty(G, dtype=np.float64)
+    load = np.zeros(G, dtype=np.float64)
+    used = np.zeros(G, dtype=np.int64)
+    n_reserved = 0
+    for g in range(G):
+        if reserve[g] > 0:
+            n_reserved += 1
+    goal_sum = 0.0
+    for g in range(G):
+        cap[g] = ideal * speed[g]
+        if n_reserved == G or n_reserved == 0:
+            up = g % 2 == 0
+        else:
+            up = reserve[g] == 0  # devices without a free slot can only send: pack them full
+        goal[g] = cap[g] * (1.0 + headroom if up else 1.0 - headroom)
+        goal_sum += goal[g]
+    if goal_sum > 0.0:
+        for g in range(G):
+            goal[g] *= total / goal_sum
+    amount = np.zeros(S, dtype=np.float64)
+    # step 1: whole experts; a max-heap of devices on room per free whole slot
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        if slots[g] - reserve[g] > 0:
+            size = heap_push(keys, ids, size,
+                             goal[g] / (slots[g] - reserve[g]) if per_slot else goal[g], g)
+    for i in range(E):
+        e = order[i]
+        g = ids[0]
+        s = slot_offsets[g] + used[g]
+        phy2log[s] = e
+        amount[s] = w[e]
+        used[g] += 1
+        load[g] += w[e]
+        left = slots[g] - reserve[g] - used[g]
+        if left > 0:
+            heap_replace_top(keys, ids, size,
+                             (goal[g] - load[g]) / left if per_slot else goal[g] - load[g], g)
+        else:
+            size = heap_pop(keys, ids, size)
+    tiny = 1e-12 * total
+    if ring and ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
+        return finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount,
+                            cap, share, total)
+    # step 2: the chain. Senders by excess, largest first; receivers in a queue.
+    excess = np.empty(G, dtype=np.float64)
+    for g in range(G):
+        excess[g] = load[g] - cap[g]
+    senders = np.argsort(-excess, kind="mergesort")
+    queue = np.empty(2 * G, dtype=np.int64)
+    n_send = 0
+    head = 0
+    tail = 0
+    for i in range(G):
+        if excess[senders[i]] > tiny:
+            n_send += 1
+    for i in range(G - 1, -1, -1):
+        g = senders[i]
+        if excess[g] >= -tiny:
+            break
+        queue[tail] = g
+        tail += 1
+    queued = np.zeros(G, dtype=np.bool_)
+    for i in range(tail):
+        queued[queue[i]] = True
+    cur = 0
+    while head < tail:
+        d = queue[head]
+        head += 1
+        while -excess[d] > tiny and used[d] < slots[d]:
+            need = -excess[d]
+            last = used[d] + 1 == slots[d]
+            while cur < n_send and excess[senders[cur]] <= tiny:
+                cur += 1
+            # the first sender with excess left whose largest piece d lacks can carry the whole
+            # deficit (any piece will do while d has more than one free slot); failing that,
+            # the largest such piece anywhere
+            pick = -1
+            src = -1
+            spare_pick = -1
+            spare_src = -1
+            for j in range(cur, n_send):
+                h = senders[j]
+                if excess[h] <= tiny:
+                    continue
+                best = -1
+                for t in range(slot_offsets[h], slot_offsets[h] + used[h]):
+                    if amount[t] > 0.0 and (best < 0 or amount[t] > amount[best]) and not \
+                            holds_expert(phy2log, slot_offsets[d], slot_offsets[d] + used[d],
+                                         phy2log[t]):
+                        best = t
+                if best < 0:
+                    continue
+                if not last or amount[best] >= need * (1.0 - 1e-12):
+                    pick = h
+                    src = best
+                    break
+                if spare_src < 0 or amount[best] > amount[spare_src]:
+                    spare_pick = h
+                    spare_src = best
+            if pick < 0:
+                pick = spare_pick
+                src = spare_src
+            if pick < 0:
+                break  # nothing can reach d: it stays short
+            give = min(need, amount[src])
+            if used[pick] >= slots[pick]:
+                give = min(give, excess[pick])  # a full sender could not take load back
+            s = slot_offsets[d] + used[d]
+            used[d] += 1
+            phy2log[s] = phy2log[src]
+            amount[s] = give
+            amount[src] -= give
+            load[d] += give
+            load[pick] -= give
+            excess[d] += give
+            excess[pick] -= give
+            if excess[pick] < -tiny and not queued[pick]:
+                queue[tail] = pick  # gave more than its excess: it takes the rest from the next
+                tail += 1
+                queued[pick] = True
+    return finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount, cap,
+                        share, total)
+
+
+@kernel
+def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
+    """The valve chain closed into a ring: along a cyclic order of the devices, each device
+    gives the next a replica of its largest piece carrying ``a_{k+1} = a_0 + sum_{i<=k} b_i``
+    (``b = load - cap``, in ring order), so every device ends at its ideal load. The ring
+    alternates devices above and below their ideal (largest first), which keeps the partial
+    sums small, and the free circulation ``a_0`` puts every valve as far from share 0 and
+    share 1 as the pieces allow: after a drift, a re-split moves load through every valve
+    either way, around the ring both ways.
+
+    Needs a free slot on every device; returns False (nothing changed) when some device has
+    none or no ``a_0`` keeps every valve strictly inside its piece.
+    """
+    G = cap.shape[0]
+    if G < 2:
+        return False
+    big = np.empty(G, dtype=np.int64)
+    b = np.empty(G, dtype=np.float64)
+    for g in range(G):
+        if used[g] == 0 or used[g] >= slots[g]:
+            return False
+        big[g] = slot_offsets[g]
+        for t in range(slot_offsets[g] + 1, slot_offsets[g] + used[g]):
+            if amount[t] > amount[big[g]]:
+                big[g] = t
+        b[g] = load[g] - cap[g]
+    by_b = np.argsort(b)  # most below first ... most above last
+    ring = np.empty(G, dtype=np.int64)
+    low = 0
+    high = G - 1
+    prefix = 0.0
+    for k in range(G):
+        if prefix > 0.0:
+            g = by_b[low]
+            low += 1
+        else:
+            g = by_b[high]
+            high -= 1
+        ring[k] = g
+        prefix += b[g]
+    lo = -np.inf
+    hi = np.inf
+    prefix = 0.0
+    for k in range(G):
+        g = ring[k]
+        prefix += b[g]
+        lo = max(lo, -prefix)
+        hi = min(hi, amount[big[g]] - prefix)
+    if not lo < hi:
+        return False
+    a0 = 0.5 * (lo + hi)
+    prefix = 0.0
+    for k in range(G):
+        g = ring[k]
+        prefix += b[g]
+        flow = a0 + prefix
+        d = ring[k + 1] if k + 1 < G else ring[0]
+        s = slot_offsets[d] + used[d]
+        used[d] += 1
+        phy2log[s] = phy2log[big[g]]
+        amount[s] = flow
+        amount[big[g]] -= flow
+    return True
+
+
+@kernel
+def finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount, cap, share,
+                 total):
+    """Last step of :func:`chain_layer`: share-0 valves in the slots still free (the heaviest
+    expert each device lacks), shares from the amounts, and the largest device load over its
+    ideal load (1.0 for an exact plan, or for a layer without load)."""
+    E = w.shape[0]
+    G = cap.shape[0]
+    S = phy2log.shape[0]
+    for g in range(G):
+        lo = slot_offsets[g]
+        while used[g] < slots[g]:
+            for i in range(E):
+                e = order[i]
+                if not holds_expert(phy2log, lo, lo + used[g], e):
+                    phy2log[lo + used[g]] = e
+                    amount[lo + used[g]] = 0.0
+                    used[g] += 1
+                    break
+    # an expert without load keeps all of it on its first slot
+    seen = np.zeros(E, dtype=np.bool_)
+    load = np.zeros(G, dtype=np.float64)
+    for s in range(S):
+        e = phy2log[s]
+        if w[e] > 0.0:
+            share[s] = amount[s] / w[e]
+        else:
+            share[s] = 0.0 if seen[e] else 1.0
+        seen[e] = True
+        load[slot_device[s]] += amount[s]
+    if total <= 0.0:
+        return 1.0
+    worst = 0.0
+    for g in range(G):
+        if cap[g] > 0.0:
+            worst = max(worst, load[g] / cap[g])
+    return worst
+
+
+@kernel
+def ties_in_index_order(w, order):
+    """Sort each run of equal loads in ``order`` [E] (sorted by load) by expert id, in place."""
+    E = order.shape[0]
+    start = 0
+    while start < E:
+        end = start + 1
+        while end < E and w[order[end]] == w[order[start]]:
+            end += 1
+        for a in range(start + 1, end):
+            b = a
+            while b > start and order[b] < order[b - 1]:
+                order[b], order[b - 1] = order[b - 1], order[b]
+                b -= 1
+        start = end
+
+
+@kernel
+def holds_expert(phy2log, lo, hi, e):
+    for s in range(lo, hi):
+        if phy2log[s] == e:
+            return True
+    return False
+
+
 # -- whole plans ---------------------------------------------------------------------------------
 
 
 @kernel
-def plan_fresh(loads, speed, slots, node, slot_offsets, slot_device, small_moves, large_moves,
-               max_sweeps):
+def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, reserves,
+               headroom, small_moves, large_moves, max_sweeps):
     """From-scratch placement of every layer: (phy2log [L,S] int64, share [L,S] float64).
 
-    Two ways to use the spare slots are tried when devices differ (one when they are alike):
-    split heavy experts until no piece exceeds what one slot should carry (even pieces pack
-    well on alike devices), or split only experts larger than a whole device and make the rest
-    valves (devices with few slots and much to carry need whole, large experts). The layer
-    keeps whichever finishes earlier. Then up to ``small_moves`` improving moves per layer when
-    the layer is small enough for exhaustive search, else ``large_moves`` targeted ones.
+    ``order_LE`` [L, E]: each layer's experts by load, heaviest first, in any order among equal
+    loads (a fast unstable sort); ties are put in expert order here, so plans never depend on
+    how the sort broke them.
+
+    First the valve chain (:func:`chain_layer`) with mid-range valves, then without headroom if
+    that missed the ideal, for each row of ``reserves`` [V, G] (free slots per device) in turn
+    until one is exact. A layer the chain cannot balance exactly (too few free slots, or no
+    piece large enough for a deficit) also tries the packing of replica counts: split heavy
+    experts until no piece exceeds what one slot should carry, and, when devices differ, split
+    only experts larger than a whole device and make the rest valves; each then gets optimal
+    shares and up to ``small_moves`` improving moves per layer when the layer is small enough
+    for exhaustive search, else ``large_moves`` targeted ones. The layer keeps whichever
+    finishes earliest.
     """
     L = loads.shape[0]
     G = speed.shape[0]
     S = slot_device.shape[0]
+    E = loads.shape[1]
     phy2log = np.empty((L, S), dtype=np.int64)
     share = np.empty((L, S), dtype=np.float64)
     trial_p = np.empty(S, dtype=np.int64)
     trial_s = np.empty(S, dtype=np.float64)
     total_speed = speed.sum()
-    improve_moves = small_moves if S * loads.shape[1] <= EXHAUSTIVE_SIZE else large_moves
+    improve_moves = small_moves if S * E <= EXHAUSTIVE_SIZE else large_moves
     alike = True
     for g in range(1, G):
         if speed[g] != speed[0] or slots[g] != slots[0]:
             alike = False
+    exact = 1.0 + 1e-9
     for layer in range(L):
         w = loads[layer]
         total = w.sum()
+        order = order_LE[layer]
+        ties_in_index_order(w, order)
+        best_ratio = np.inf
+        for v in range(reserves.shape[0]):
+            if best_ratio <= exact:
+                break
+            for attempt in range(2 if headroom > 0.0 else 1):
+                ratio = chain_layer(w, order, speed, slots, slot_offsets, slot_device,
+                                    reserves[v], headroom if attempt == 0 else 0.0, True,
+                                    attempt == 0, trial_p, trial_s)
+                if ratio > exact and total > 0.0:
+                    load = device_loads(w, trial_p, trial_s, slot_device, G)
+                    balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
+                    ratio = max_time(load, speed) * total_speed / total
+                if ratio < best_ratio:
+                    best_ratio = ratio
+                    phy2log[layer] = trial_p
+                    share[layer] = trial_s
+                if best_ratio <= exact:
+                    break
+        if best_ratio <= exact:
+            continue
         per_slot = 0.0
         per_device = 0.0
         for g in range(G):
             per_slot = max(per_slot, total * speed[g] / total_speed / slots[g])
             per_device = max(per_device, total * speed[g] / total_speed)
-        best_time = np.inf
         for attempt in range(1 if alike else 2):
             r = replica_counts(w, S, G, per_slot if attempt == 0 else per_device)
             trial_p[:] = -1
@@ -735,22 +1059,189 @@ def plan_fresh(loads, speed, slots, node, slot_offsets, slot_device, small_moves
             balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
             improve_layer(w, speed, slot_device, slot_offsets, trial_p, trial_s, load,
                           total / total_speed * (1.0 + 1e-6), improve_moves, max_sweeps)
-            t = max_time(load, speed)
-            if t < best_time:
-                best_time = t
+            ratio = max_time(load, speed) * total_speed / total if total > 0.0 else 1.0
+            if ratio < best_ratio:
+                best_ratio = ratio
                 phy2log[layer] = trial_p
                 share[layer] = trial_s
     return phy2log, share
 
 
 @kernel
+def total_excess(load, speed, target):
+    """Tokens above the target time, summed over devices: ``sum_g max(0, load_g - target *
+    speed_g)``. Unlike the hottest time, it drops with every move off any device above the
+    target, so moves on devices tied at the maximum count as progress."""
+    out = 0.0
+    for g in range(load.shape[0]):
+        x = load[g] - target * speed[g]
+        if x > 0.0:
+            out += x
+    return out
+
+
+@kernel
+def top_room(room, victim, tiny, need_victim):
+    """Up to ``RECEIVERS`` devices with room above ``tiny`` (and, with ``need_victim``, a
+    victim slot), the most room first."""
+    G = room.shape[0]
+    out = np.empty(RECEIVERS, dtype=np.int64)
+    taken = np.zeros(G, dtype=np.bool_)
+    n = 0
+    for _ in range(RECEIVERS):
+        best = -1
+        for g in range(G):
+            if not taken[g] and room[g] > tiny and (victim[g] >= 0 or not need_victim) and (
+                    best < 0 or room[g] > room[best]):
+                best = g
+        if best < 0:
+            break
+        taken[best] = True
+        out[n] = best
+        n += 1
+    return out[:n]
+
+
+@kernel
+def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, target, allow_swap,
+                max_sweeps):
+    """One repair step on one layer: the move that most lowers :func:`total_excess`.
+
+    Single moves: a piece of a device above the target gets a replica on one of the
+    ``RECEIVERS`` devices with the most room below it, in the slot of that device's smallest
+    piece of an expert that has other replicas (its tokens go to them): the share slack of
+    replicated experts. Ranked by an estimate, the best ``MOVE_TRIALS`` are tried with a full
+    share re-balance. Failing that (and with ``allow_swap``), the swap of two pieces between a
+    device above and one below that lowers the excess most. Returns the moves made (0, 1, 2).
+    """
+    E = w.shape[0]
+    G = speed.shape[0]
+    reps = replicas_of(phy2log, E)
+    before = total_excess(load, speed, target)
+    tiny = 1e-12 * (load.sum() + 1.0)
+    if before <= tiny:
+        return 0
+    room = np.empty(G, dtype=np.float64)
+    for g in range(G):
+        room[g] = target * speed[g] - load[g]
+    # each device's cheapest slot to overwrite: its smallest piece of an expert with other
+    # replicas, and how much of that piece the expert's other holders can take without going
+    # above the target
+    victim = np.full(G, -1, dtype=np.int64)
+    for g in range(G):
+        if room[g] <= tiny:
+            continue
+        for s in range(slot_offsets[g], slot_offsets[g + 1]):
+            f = phy2log[s]
+            if reps[f] >= 2 and (victim[g] < 0 or w[f] * share[s] < w[phy2log[victim[g]]] * share[victim[g]]):
+                victim[g] = s
+    # receivers of a replica: the devices with a victim and the most room; partners of a swap:
+    # the devices with the most room
+    recv = top_room(room, victim, tiny, True)
+    partners = top_room(room, victim, tiny, False)
+    n_recv = recv.shape[0]
+    if n_recv == 0 and (not allow_swap or partners.shape[0] == 0):
+        return 0
+    spill = np.zeros(n_recv, dtype=np.float64)
+    for i in range(n_recv):
+        v = victim[recv[i]]
+        f = phy2log[v]
+        absorb = 0.0
+        for s in range(phy2log.shape[0]):
+            if phy2log[s] == f and s != v and room[slot_device[s]] > 0.0:
+                absorb += room[slot_device[s]]
+        spill[i] = max(0.0, w[f] * share[v] - absorb)
+    S = phy2log.shape[0]
+    cand_est = np.empty(S * n_recv, dtype=np.float64)
+    cand_src = np.empty(S * n_recv, dtype=np.int64)
+    cand_dst = np.empty(S * n_recv, dtype=np.int64)
+    n_cand = 0
+    for h in range(G):
+        over = -room[h]
+        if over <= tiny:
+            continue
+        for src in range(slot_offsets[h], slot_offsets[h + 1]):
+            x = phy2log[src]
+            p = w[x] * share[src]
+            if p <= 0.0:
+                continue
+            for i in range(n_recv):
+                d = recv[i]
+                v = victim[d]
+                if on_device(x, d, phy2log, slot_offsets):
+                    continue
+                pv = w[phy2log[v]] * share[v]
+                est = min(over, p, room[d] + pv) - spill[i]
+                if est > tiny:
+                    cand_est[n_cand] = -est
+                    cand_src[n_cand] = src
+                    cand_dst[n_cand] = v
+                    n_cand += 1
+    saved_p = phy2log.copy()
+    saved_s = share.copy()
+    saved_l = load.copy()
+    if n_cand > 0:
+        ranked = np.argsort(cand_est[:n_cand], kind="mergesort")
+        for i in range(min(MOVE_TRIALS, n_cand)):
+            c = ranked[i]
+            replace_in_slot(w, slot_device, phy2log, share, load, cand_dst[c],
+                            phy2log[cand_src[c]])
+            balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+            if total_excess(load, speed, target) < before - tiny:
+                return 1
+            phy2log[:] = saved_p
+            share[:] = saved_s
+            load[:] = saved_l
+    if not allow_swap:
+        return 0
+    best_gain = tiny
+    best_a = -1
+    best_b = -1
+    for h in range(G):
+        over = -room[h]
+        if over <= tiny:
+            continue
+        for a in range(slot_offsets[h], slot_offsets[h + 1]):
+            ea = phy2log[a]
+            pa = w[ea] * share[a]
+            for i in range(partners.shape[0]):
+                d = partners[i]
+                if on_device(ea, d, phy2log, slot_offsets):
+                    continue
+                for b in range(slot_offsets[d], slot_offsets[d + 1]):
+                    eb = phy2log[b]
+                    pb = w[eb] * share[b]
+                    if pb >= pa or on_device(eb, h, phy2log, slot_offsets):
+                        continue
+                    delta = pa - pb
+                    # excess h sheds, less the excess d gains
+                    gain = over - max(0.0, over - delta) - max(0.0, delta - room[d])
+                    if gain > best_gain:
+                        best_gain = gain
+                        best_a = a
+                        best_b = b
+    if best_a < 0:
+        return 0
+    swap_slots(w, slot_device, phy2log, share, load, best_a, best_b)
+    balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+    if total_excess(load, speed, target) < before - tiny:
+        return 2
+    phy2log[:] = saved_p
+    share[:] = saved_s
+    load[:] = saved_l
+    return 0
+
+
+@kernel
 def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_share, target,
                 max_moves, max_sweeps):
     """Keep the previous placement, re-split shares for the new loads, then spend moves where
-    they help most: always on the layer furthest above its target time.
+    they help most: always on the layer with the most tokens above its target time (relative
+    to its load), one step at a time, so a move budget goes where it buys most.
 
     target [L]: hottest time each layer should reach. max_moves < 0: unlimited.
-    Returns (phy2log [L,S], share [L,S], moves made per layer [L]).
+    Returns (phy2log [L,S], share [L,S], kept_share [L,S], moves made per layer [L]);
+    ``kept_share`` is the previous placement re-split for the new loads (no move).
     """
     L = loads.shape[0]
     G = speed.shape[0]
@@ -765,24 +1256,23 @@ def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_shar
         loads_now[layer] = device_loads(w, phy2log[layer], share[layer], slot_device, G)
         balance_shares(w, speed, slot_device, phy2log[layer], share[layer], loads_now[layer],
                        max_sweeps)
-        gap[layer] = max_time(loads_now[layer], speed) - target[layer]
+        gap[layer] = total_excess(loads_now[layer], speed, target[layer]) / max(w.sum(), 1e-300)
+    kept_share = share.copy()
     spent = 0
     while max_moves < 0 or spent < max_moves:
         worst = -1
         for layer in range(L):
-            if not stuck[layer] and gap[layer] > 0.0 and (worst < 0 or gap[layer] > gap[worst]):
+            if not stuck[layer] and gap[layer] > 1e-12 and (worst < 0 or gap[layer] > gap[worst]):
                 worst = layer
         if worst < 0:
             break
-        # one step (a replica, or a swap of two) at a time, so the budget goes to whichever
-        # layer is worst after it
-        step_budget = 2 if max_moves < 0 else min(max_moves - spent, 2)
-        made = improve_layer(loads[worst], speed, slot_device, slot_offsets, phy2log[worst],
-                             share[worst], loads_now[worst], target[worst], step_budget,
-                             max_sweeps)
+        allow_swap = max_moves < 0 or max_moves - spent >= 2
+        made = repair_step(loads[worst], speed, slot_offsets, slot_device, phy2log[worst],
+                           share[worst], loads_now[worst], target[worst], allow_swap, max_sweeps)
         if made == 0:
             stuck[worst] = True
         moves[worst] += made
         spent += made
-        gap[worst] = max_time(loads_now[worst], speed) - target[worst]
-    return phy2log, share, moves
+        gap[worst] = total_excess(loads_now[worst], speed, target[worst]) / max(
+            loads[worst].sum(), 1e-300)
+    return phy2log, share, kept_share, moves
