@@ -922,22 +922,34 @@ def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
 @kernel
 def finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount, cap, share,
                  total):
-    """Last step of :func:`chain_layer`: share-0 valves in the slots still free (the heaviest
-    expert each device lacks), shares from the amounts, and the largest device load over its
+    """Last step of :func:`chain_layer`: share-0 valves in the slots still free, shares from
+    the amounts, and the largest device load over its
     ideal load (1.0 for an exact plan, or for a layer without load)."""
     E = w.shape[0]
     G = cap.shape[0]
     S = phy2log.shape[0]
     for g in range(G):
         lo = slot_offsets[g]
+        nxt = g + 1 if g + 1 < G else 0
         while used[g] < slots[g]:
-            for i in range(E):
-                e = order[i]
-                if not holds_expert(phy2log, lo, lo + used[g], e):
-                    phy2log[lo + used[g]] = e
-                    amount[lo + used[g]] = 0.0
-                    used[g] += 1
-                    break
+            # the largest piece of the next device that g lacks (valves between neighbours
+            # spread over many experts), else the heaviest expert g lacks
+            pick = -1
+            for t in range(slot_offsets[nxt], slot_offsets[nxt] + used[nxt]):
+                if (pick < 0 or amount[t] > amount[pick]) and not holds_expert(
+                        phy2log, lo, lo + used[g], phy2log[t]):
+                    pick = t
+            if pick >= 0 and nxt != g:
+                e = phy2log[pick]
+            else:
+                e = -1
+                for i in range(E):
+                    if not holds_expert(phy2log, lo, lo + used[g], order[i]):
+                        e = order[i]
+                        break
+            phy2log[lo + used[g]] = e
+            amount[lo + used[g]] = 0.0
+            used[g] += 1
     # an expert without load keeps all of it on its first slot
     seen = np.zeros(E, dtype=np.bool_)
     load = np.zeros(G, dtype=np.float64)
@@ -1103,7 +1115,7 @@ def top_room(room, victim, tiny, need_victim):
 
 
 @kernel
-def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, target, allow_swap,
+def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, target, budget,
                 max_sweeps):
     """One repair step on one layer: the move that most lowers :func:`total_excess`.
 
@@ -1140,7 +1152,7 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
     recv = top_room(room, victim, tiny, True)
     partners = top_room(room, victim, tiny, False)
     n_recv = recv.shape[0]
-    if n_recv == 0 and (not allow_swap or partners.shape[0] == 0):
+    if n_recv == 0 and (budget < 2 or partners.shape[0] == 0):
         return 0
     spill = np.zeros(n_recv, dtype=np.float64)
     for i in range(n_recv):
@@ -1156,7 +1168,9 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
     cand_src = np.empty(S * n_recv, dtype=np.int64)
     cand_dst = np.empty(S * n_recv, dtype=np.int64)
     n_cand = 0
+    cand_from = np.zeros(G + 1, dtype=np.int64)
     for h in range(G):
+        cand_from[h] = n_cand
         over = -room[h]
         if over <= tiny:
             continue
@@ -1173,17 +1187,58 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
                 pv = w[phy2log[v]] * share[v]
                 est = min(over, p, room[d] + pv) - spill[i]
                 if est > tiny:
-                    cand_est[n_cand] = -est
+                    cand_est[n_cand] = est
                     cand_src[n_cand] = src
                     cand_dst[n_cand] = v
                     n_cand += 1
+    cand_from[G] = n_cand
     saved_p = phy2log.copy()
     saved_s = share.copy()
     saved_l = load.copy()
     if n_cand > 0:
-        ranked = np.argsort(cand_est[:n_cand], kind="mergesort")
-        for i in range(min(MOVE_TRIALS, n_cand)):
-            c = ranked[i]
+        # first a batch: each device above the target (most excess first) makes its best
+        # move, each device and each expert in at most one move of the batch, one re-balance
+        # for all; candidates of one sender are contiguous (cand_from[h] .. cand_from[h + 1])
+        busy = np.zeros(G, dtype=np.bool_)
+        touched = np.zeros(E, dtype=np.bool_)
+        made = 0
+        senders = np.argsort(room)
+        for k in range(G):
+            h = senders[k]
+            if room[h] >= -tiny or made >= budget:
+                break
+            best = -1
+            for c in range(cand_from[h], cand_from[h + 1]):
+                d = slot_device[cand_dst[c]]
+                if busy[d] or touched[phy2log[cand_src[c]]] or touched[phy2log[cand_dst[c]]]:
+                    continue
+                if best < 0 or cand_est[c] > cand_est[best]:
+                    best = c
+            if best < 0:
+                continue
+            x = phy2log[cand_src[best]]
+            busy[h] = True
+            busy[slot_device[cand_dst[best]]] = True
+            touched[x] = True
+            touched[phy2log[cand_dst[best]]] = True
+            replace_in_slot(w, slot_device, phy2log, share, load, cand_dst[best], x)
+            made += 1
+        if made >= 2:
+            balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
+            if total_excess(load, speed, target) < before - tiny:
+                return made
+        if made >= 1:
+            phy2log[:] = saved_p
+            share[:] = saved_s
+            load[:] = saved_l
+        # then single moves, best estimate first
+        tried = np.zeros(n_cand, dtype=np.bool_)
+        for _ in range(min(MOVE_TRIALS, n_cand)):
+            c = -1
+            for i in range(n_cand):
+                if not tried[i] and (c < 0 or cand_est[i] > cand_est[c]):
+                    c = i
+            tried[c] = True
             replace_in_slot(w, slot_device, phy2log, share, load, cand_dst[c],
                             phy2log[cand_src[c]])
             balance_shares(w, speed, slot_device, phy2log, share, load, max_sweeps)
@@ -1192,7 +1247,7 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
             phy2log[:] = saved_p
             share[:] = saved_s
             load[:] = saved_l
-    if not allow_swap:
+    if budget < 2:
         return 0
     best_gain = tiny
     best_a = -1
@@ -1245,6 +1300,7 @@ def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_shar
     """
     L = loads.shape[0]
     G = speed.shape[0]
+    S = slot_device.shape[0]
     phy2log = prev_phy2log.copy()
     share = prev_share.copy()
     loads_now = np.empty((L, G), dtype=np.float64)
@@ -1266,9 +1322,9 @@ def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_shar
                 worst = layer
         if worst < 0:
             break
-        allow_swap = max_moves < 0 or max_moves - spent >= 2
+        left = S if max_moves < 0 else max_moves - spent
         made = repair_step(loads[worst], speed, slot_offsets, slot_device, phy2log[worst],
-                           share[worst], loads_now[worst], target[worst], allow_swap, max_sweeps)
+                           share[worst], loads_now[worst], target[worst], left, max_sweeps)
         if made == 0:
             stuck[worst] = True
         moves[worst] += made
