@@ -880,7 +880,7 @@ def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
             if amount[t] > amount[big[g]]:
                 big[g] = t
         b[g] = load[g] - cap[g]
-    by_b = np.argsort(b)  # most below first ... most above last
+    by_b = np.argsort(b, kind="mergesort")  # most below first ... most above last
     ring = np.empty(G, dtype=np.int64)
     low = 0
     high = G - 1
@@ -1202,7 +1202,7 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
         busy = np.zeros(G, dtype=np.bool_)
         touched = np.zeros(E, dtype=np.bool_)
         made = 0
-        senders = np.argsort(room)
+        senders = np.argsort(room, kind="mergesort")
         for k in range(G):
             h = senders[k]
             if room[h] >= -tiny or made >= budget:
