@@ -24,10 +24,6 @@ REBUILD_GAIN = 0.02
 # Improving moves a fresh plan makes per layer when the layer is small enough to search
 # exhaustively (slots x experts <= algorithm.EXHAUSTIVE_SIZE).
 SMALL_LAYER_MOVES = 16
-# Whole experts of a fresh plan are packed towards ideal * (1 +- HEADROOM) on alternate devices,
-# so that the valves that then even the devices out carry mid-range shares: a re-split can move
-# load through them either way, and small drifts need no move.
-HEADROOM = 0.0
 
 
 def _kernels(name: str | None = None):
@@ -92,7 +88,7 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
     # quicksort: the kernel puts equal loads in expert order, so the sort need not be stable
     order = np.argsort(-w, axis=1, kind="quicksort")
     args = (order, topology.speed, topology.slots, topology.node, topology.slot_offsets,
-            topology.slot_device, _reserves(topology, E), HEADROOM)
+            topology.slot_device, _reserves(topology, E))
     phy2log, share = k.plan_fresh(w, *args, SMALL_LAYER_MOVES, int(polish), algorithm.MAX_SWEEPS)
     if previous is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()

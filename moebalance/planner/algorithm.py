@@ -695,23 +695,22 @@ def improve_layer(w, speed, slot_device, slot_offsets, phy2log, share, load, tar
 
 
 @kernel
-def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, headroom, per_slot,
+def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, per_slot, snake,
                 ring, phy2log, share):
     """Fresh plan of one layer that reaches every device's ideal load exactly when it can.
 
-    1. Whole experts, heaviest first (``order``), each to the device with the most room
-       (``per_slot``: per free slot), keeping ``reserve[g]`` slots of device ``g`` free. Room is measured against a
-       packing target of ``ideal * (1 + headroom)`` on even devices and ``ideal * (1 - headroom)``
-       on odd ones, so that the valves of step 2 end up carrying mid-range shares (a later
-       re-split can move load either way through them).
-    2. The valve chain: every device below its ideal load takes, in one free slot, a replica of
-       the largest piece of a device above it, carrying exactly its deficit (north-west-corner
-       order: the sender with the most excess first). A sender that gives more than its excess
-       turns into a receiver and takes its own deficit the same way from the next sender, so
-       every transfer settles one device: at most G - 1 valves. McNaughton's wrap-around is the
-       special case of a chain in device order.
-    3. Slots still free hold share-0 replicas of the heaviest experts their device lacks:
-       valves for re-plans.
+    1. Whole experts, heaviest first (``order``), keeping ``reserve[g]`` slots of device ``g``
+       free: each to the device with the most room below its ideal load (``per_slot``: room
+       per free slot), or, with ``snake`` (alike devices), in boustrophedon device order.
+    2. Valves, in the free slots, to reach every ideal load exactly. With ``ring``, and a free
+       slot on every device, :func:`ring_valves` (McNaughton's wrap-around, closed into a ring
+       with mid-range valves). Otherwise the valve chain: every device below its ideal load
+       takes a replica of the largest piece of a device above it, carrying its deficit
+       (north-west-corner order: the sender with the most excess first; several pieces while
+       it has several free slots). A sender that gives more than its excess turns receiver and
+       takes its deficit the same way from the next sender, so every transfer settles one
+       device: at most G - 1 valves.
+    3. Slots still free hold share-0 valves (:func:`finish_chain`).
 
     Fills ``phy2log`` [S] and ``share`` [S]; returns the largest device time over ideal time
     (1.0: exact). Needs ``sum(slots - reserve) >= E``.
@@ -727,48 +726,48 @@ def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, head
         total_speed += speed[g]
     ideal = total / total_speed
     cap = np.empty(G, dtype=np.float64)
-    goal = np.empty(G, dtype=np.float64)
-    load = np.zeros(G, dtype=np.float64)
-    used = np.zeros(G, dtype=np.int64)
-    n_reserved = 0
-    for g in range(G):
-        if reserve[g] > 0:
-            n_reserved += 1
-    goal_sum = 0.0
     for g in range(G):
         cap[g] = ideal * speed[g]
-        if n_reserved == G or n_reserved == 0:
-            up = g % 2 == 0
-        else:
-            up = reserve[g] == 0  # devices without a free slot can only send: pack them full
-        goal[g] = cap[g] * (1.0 + headroom if up else 1.0 - headroom)
-        goal_sum += goal[g]
-    if goal_sum > 0.0:
-        for g in range(G):
-            goal[g] *= total / goal_sum
+    load = np.zeros(G, dtype=np.float64)
+    used = np.zeros(G, dtype=np.int64)
     amount = np.zeros(S, dtype=np.float64)
-    # step 1: whole experts; a max-heap of devices on room per free whole slot
-    keys = np.empty(G, dtype=np.float64)
-    ids = np.empty(G, dtype=np.int64)
-    size = 0
-    for g in range(G):
-        if slots[g] - reserve[g] > 0:
-            size = heap_push(keys, ids, size,
-                             goal[g] / (slots[g] - reserve[g]) if per_slot else goal[g], g)
-    for i in range(E):
-        e = order[i]
-        g = ids[0]
-        s = slot_offsets[g] + used[g]
-        phy2log[s] = e
-        amount[s] = w[e]
-        used[g] += 1
-        load[g] += w[e]
-        left = slots[g] - reserve[g] - used[g]
-        if left > 0:
-            heap_replace_top(keys, ids, size,
-                             (goal[g] - load[g]) / left if per_slot else goal[g] - load[g], g)
-        else:
-            size = heap_pop(keys, ids, size)
+    if snake:
+        # alike devices: heaviest first in boustrophedon order, 0..G-1 then G-1..0, ...: the
+        # LPT packing's choice without its heap (the valves even out the rest)
+        for i in range(E):
+            e = order[i]
+            lap = i // G
+            g = i - lap * G
+            if lap % 2 == 1:
+                g = G - 1 - g
+            s = slot_offsets[g] + used[g]
+            phy2log[s] = e
+            amount[s] = w[e]
+            used[g] += 1
+            load[g] += w[e]
+    else:
+        # whole experts; a max-heap of devices on room (per free whole slot)
+        keys = np.empty(G, dtype=np.float64)
+        ids = np.empty(G, dtype=np.int64)
+        size = 0
+        for g in range(G):
+            if slots[g] - reserve[g] > 0:
+                size = heap_push(keys, ids, size,
+                                 cap[g] / (slots[g] - reserve[g]) if per_slot else cap[g], g)
+        for i in range(E):
+            e = order[i]
+            g = ids[0]
+            s = slot_offsets[g] + used[g]
+            phy2log[s] = e
+            amount[s] = w[e]
+            used[g] += 1
+            load[g] += w[e]
+            left = slots[g] - reserve[g] - used[g]
+            if left > 0:
+                heap_replace_top(keys, ids, size,
+                                 (cap[g] - load[g]) / left if per_slot else cap[g] - load[g], g)
+            else:
+                size = heap_pop(keys, ids, size)
     tiny = 1e-12 * total
     if ring and ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
         return finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount,
@@ -1000,22 +999,22 @@ def holds_expert(phy2log, lo, hi, e):
 
 @kernel
 def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, reserves,
-               headroom, small_moves, large_moves, max_sweeps):
+               small_moves, large_moves, max_sweeps):
     """From-scratch placement of every layer: (phy2log [L,S] int64, share [L,S] float64).
 
     ``order_LE`` [L, E]: each layer's experts by load, heaviest first, in any order among equal
     loads (a fast unstable sort); ties are put in expert order here, so plans never depend on
     how the sort broke them.
 
-    First the valve chain (:func:`chain_layer`) with mid-range valves, then without headroom if
-    that missed the ideal, for each row of ``reserves`` [V, G] (free slots per device) in turn
-    until one is exact. A layer the chain cannot balance exactly (too few free slots, or no
-    piece large enough for a deficit) also tries the packing of replica counts: split heavy
-    experts until no piece exceeds what one slot should carry, and, when devices differ, split
-    only experts larger than a whole device and make the rest valves; each then gets optimal
-    shares and up to ``small_moves`` improving moves per layer when the layer is small enough
-    for exhaustive search, else ``large_moves`` targeted ones. The layer keeps whichever
-    finishes earliest.
+    First the valves of :func:`chain_layer`, for each row of ``reserves`` [V, G] (free slots
+    per device) in turn until one is exact: on alike devices the boustrophedon packing, then
+    (if that missed) the packing by room; elsewhere the packing by room per free slot. A layer
+    no chain balances exactly (too few free slots, or no piece large enough for a deficit)
+    also tries the packing of replica counts: split heavy experts until no piece exceeds what
+    one slot should carry, and, when devices differ, split only experts larger than a whole
+    device and make the rest valves; each then gets optimal shares and up to ``small_moves``
+    improving moves per layer when the layer is small enough for exhaustive search, else
+    ``large_moves`` targeted ones. The layer keeps whichever finishes earliest.
     """
     L = loads.shape[0]
     G = speed.shape[0]
@@ -1039,12 +1038,16 @@ def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, r
         ties_in_index_order(w, order)
         best_ratio = np.inf
         for v in range(reserves.shape[0]):
-            if best_ratio <= exact:
-                break
-            for attempt in range(2 if headroom > 0.0 else 1):
+            even = alike
+            for g in range(1, G):
+                if reserves[v, g] != reserves[v, 0]:
+                    even = False
+            for attempt in range(2 if even else 1):
+                if best_ratio <= exact:
+                    break
                 ratio = chain_layer(w, order, speed, slots, slot_offsets, slot_device,
-                                    reserves[v], headroom if attempt == 0 else 0.0, True,
-                                    attempt == 0, trial_p, trial_s)
+                                    reserves[v], not even, even and attempt == 0, True,
+                                    trial_p, trial_s)
                 if ratio > exact and total > 0.0:
                     load = device_loads(w, trial_p, trial_s, slot_device, G)
                     balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
@@ -1053,8 +1056,6 @@ def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, r
                     best_ratio = ratio
                     phy2log[layer] = trial_p
                     share[layer] = trial_s
-                if best_ratio <= exact:
-                    break
         if best_ratio <= exact:
             continue
         per_slot = 0.0
