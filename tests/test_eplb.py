@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moebalance import Device, Topology, balancedness, imbalance
-from moebalance.planner import eplb
-from moebalance.planner.eplb import (eplb_baseline, eplb_style_plan, placement_from_phy2log,
-                                     rebalance_experts)
+from moebalance.benchmarks.eplb_baseline import (eplb_baseline, eplb_style_plan,
+                                                 placement_from_phy2log)
+from moebalance.planner.eplb import rebalance_experts
 from strategies import loads as loads_strategy
 from strategies import topologies
 
@@ -47,7 +47,7 @@ def eplb_configs(draw, max_layers=3):
     hierarchical = num_groups % num_nodes == 0
     pool = E // num_nodes if hierarchical else E
     per_gpu = draw(st.integers(-(-E // num_gpus), max(pool, -(-E // num_gpus))))
-    if per_gpu > pool:  # no duplicate-free plan exists: the drop-in rejects it (tested apart)
+    if per_gpu > pool:  # no duplicate-free plan exists: duplicates are tested apart
         num_nodes = 1
     L = draw(st.integers(1, max_layers))
     weight = draw(loads_strategy(L, E, max_load=1000))
@@ -85,46 +85,6 @@ def test_baseline_hierarchical_policy_by_hand():
     assert logcnt.tolist() == [[1] * 8]
 
 
-def test_compiled_eplb_matches_baseline(rng):
-    kernels = eplb._kernels("numba")
-    for _ in range(25):
-        num_gpus = int(rng.choice([1, 2, 4, 8]))
-        num_nodes = int(rng.choice([d for d in (1, 2, 4) if num_gpus % d == 0]))
-        num_groups = int(rng.choice([1, 2, 4, 8]))
-        E = num_groups * int(rng.integers(1, 5))
-        R = num_gpus * int(rng.integers(-(-E // num_gpus), -(-E // num_gpus) + 3))
-        weight = (rng.pareto(1.2, size=(2, E)) * 100).astype(np.float32)
-        hierarchical = num_groups % num_nodes == 0
-        expected = eplb_baseline(weight, R, num_groups, num_nodes, num_gpus)[0]
-        got = kernels.eplb_layers(weight, R, num_groups if hierarchical else 1,
-                                  num_nodes if hierarchical else 1, num_gpus)
-        np.testing.assert_array_equal(got, expected)
-
-
-def test_compiled_eplb_matches_baseline_with_many_gpus_and_spare_slots(rng):
-    # Over SCAN_LIMIT packs or spare slots the kernels switch from scans to heaps: same choices.
-    kernels = eplb._kernels("numba")
-    for num_gpus, num_nodes, num_groups, E, R in ((32, 1, 1, 40, 64), (32, 2, 4, 64, 128),
-                                                  (24, 1, 1, 24, 72)):
-        assert max(num_gpus // num_nodes, R // num_nodes - E // num_nodes) > eplb.SCAN_LIMIT
-        weight = (rng.pareto(1.2, size=(2, E)) * 100).astype(np.float32)
-        weight[:, ::5] = weight[:, 1::5][:, :weight[:, ::5].shape[1]]  # equal loads: ties
-        expected = eplb_baseline(weight, R, num_groups, num_nodes, num_gpus)[0]
-        got = kernels.eplb_layers(weight, R, num_groups, num_nodes, num_gpus)
-        np.testing.assert_array_equal(got, expected)
-
-
-def test_scan_and_heap_paths_plan_alike(monkeypatch, rng):
-    # The reference kernels read SCAN_LIMIT when called: with 0 every choice goes through a heap.
-    weight = np.round(rng.pareto(1.0, size=(3, 48)) * 20)  # rounded: many equal loads
-    args = [(64, 4, 2, 8), (64, 3, 2, 8), (96, 1, 1, 8)]
-    scanned = [rebalance_experts(weight, *a, backend="numpy") for a in args]
-    monkeypatch.setattr(eplb, "SCAN_LIMIT", 0)
-    for a, expected in zip(args, scanned):
-        for got, want in zip(rebalance_experts(weight, *a, backend="numpy"), expected):
-            np.testing.assert_array_equal(got, want)
-
-
 # -- the drop-in: conventions --------------------------------------------------------------------
 @given(eplb_configs())
 def test_rebalance_experts_keeps_eplb_conventions(config):
@@ -152,6 +112,39 @@ def test_rebalance_experts_keeps_eplb_conventions(config):
             nodes_per_group = [np.unique(node_of_slot[group_of_slot[layer] == g]).size
                                for g in range(num_groups)]
             assert nodes_per_group == [1] * num_groups
+
+
+def test_rebalance_experts_keeps_every_group_on_one_node():
+    # Three layers, two groups of three experts, two nodes of two GPUs, 12 replicas.
+    weight = np.array([[3, 9, 27, 81, 1, 5], [81, 27, 9, 3, 5, 1], [8] * 6], dtype=np.float64)
+    phy2log, _, _ = rebalance_experts(weight, 12, 2, 2, 4)
+    for layer in range(3):
+        for node in range(2):
+            groups = np.unique(phy2log[layer, node * 6:(node + 1) * 6] // 3)
+            assert groups.size == 1, (layer, phy2log[layer])
+
+
+@pytest.mark.parametrize("args", [
+    (np.ones((1, 5)), 8, 1, 1, 1),                  # 8 slots on one GPU, 5 experts
+    (np.arange(1.0, 9.0)[None, :], 32, 1, 1, 2),    # 16 slots per GPU, 8 experts
+    (np.arange(1.0, 9.0)[None, :], 24, 4, 4, 4),    # 6 slots per GPU, 2 experts per node
+])
+def test_rebalance_experts_places_forced_duplicates_with_a_warning(args):
+    with pytest.warns(UserWarning, match="holds two replicas of one expert"):
+        phy2log, log2phy, logcnt = rebalance_experts(*args)
+    weight, R, _, _, G = args
+    assert phy2log.shape == (1, R) and log2phy.shape == (1, weight.shape[1], R - weight.shape[1] + 1)
+    np.testing.assert_array_equal(logcnt[0], np.bincount(phy2log[0], minlength=weight.shape[1]))
+    base = eplb_baseline(*args)[0]
+    assert gpu_balancedness(weight, phy2log, G)[0] >= gpu_balancedness(weight, base, G)[0] - 1e-12
+
+
+def test_duplicate_warning_advice_fits_the_arguments():
+    with pytest.warns(UserWarning) as record:
+        rebalance_experts(np.ones((1, 5)), 8, 1, 1, 1)
+    assert "num_nodes=1" not in str(record[0].message)
+    with pytest.warns(UserWarning, match="pass num_nodes=1"):
+        rebalance_experts(np.ones((1, 8)), 24, 4, 4, 4)
 
 
 def test_rebalance_experts_torch_in_torch_out(rng):
@@ -289,8 +282,6 @@ def test_placement_from_phy2log_keeps_eplb_duplicates():
     ((np.ones((1, 8)), 8, 3, 1, 2), "num_groups .* must divide"),
     ((np.ones((1, 8)), 8, 1, 1, 0), "num_gpus must be an integer >= 1"),
     ((np.ones((1, 8)), 8.0, 1, 1, 2), "num_replicas must be an integer"),
-    ((np.ones((1, 8)), 32, 1, 1, 2), "two replicas of one expert"),
-    ((np.ones((1, 8)), 24, 4, 4, 4), "its node has only 2 experts"),
 ])
 def test_rebalance_experts_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):

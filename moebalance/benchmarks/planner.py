@@ -52,8 +52,9 @@ from ..backends import backend, has_numba
 from ..cli import ArgumentParser, UsageError, nonneg_int, positive_int, run_guarded
 from ..metrics import balancedness, imbalance, summary_imbalance
 from ..placement import Placement
-from ..planner import eplb, plan
+from ..planner import plan, rebalance_experts
 from ..topology import Topology
+from . import eplb_baseline as eplb
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")
@@ -145,7 +146,7 @@ def dropin_method(topology: Topology, num_experts: int, num_groups: int) -> Meth
     S = topology.num_slots
     return Method(
         name="rebalance_experts",
-        run=lambda w, prev: _timed(lambda: eplb.rebalance_experts(w, S, groups, nodes, gpus)),
+        run=lambda w, prev: _timed(lambda: rebalance_experts(w, S, groups, nodes, gpus)),
         to_placement=lambda out: eplb.placement_from_phy2log(out[0], num_experts, topology),
     )
 

@@ -203,14 +203,16 @@ def add_valves(w, r, speed, slots, slot_offsets, phy2log, share, slot_device):
 
 
 @kernel
-def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
+def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share, per_slot, distinct):
     """Fill phy2log [S] / share [S] (equal split): replicas, heaviest first, each to the device
-    that still needs the most load per free slot.
+    that still needs the most load (``per_slot``: per free slot).
 
     A device's need is its fair load ``W * speed / sum(speed)`` minus what it holds; dividing by
     its free slots makes devices with few slots and much to carry take the big pieces and
-    devices with many slots the small ones. Devices sit in a max-heap on that need (ties: lower
-    device id, so replicas of one expert tend to stay on one node).
+    devices with many slots the small ones. Without ``per_slot`` on alike devices this is
+    EPLB's balanced packing (the lightest device with room). Devices sit in a max-heap on that
+    need (ties: lower device id, so replicas of one expert tend to stay on one node). With
+    ``distinct`` a device never takes a second replica of an expert.
     """
     E = w.shape[0]
     G = speed.shape[0]
@@ -229,7 +231,7 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
     size = 0
     for g in range(G):
         need[g] = total_w * speed[g] / total_speed
-        size = heap_push(keys, ids, size, need[g] / slots[g], g)
+        size = heap_push(keys, ids, size, need[g] / slots[g] if per_slot else need[g], g)
     skipped = np.empty(G, dtype=np.int64)
     for i in range(E):
         e = order[i]
@@ -242,7 +244,7 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
                 g = ids[0]
                 if used[g] >= slots[g]:
                     size = heap_pop(keys, ids, size)  # filled by make_room while in the heap
-                elif holds[g, e]:
+                elif distinct and holds[g, e]:
                     skipped[n_skipped] = g
                     n_skipped += 1
                     size = heap_pop(keys, ids, size)
@@ -253,8 +255,8 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
                 s = slot_offsets[best] + used[best]
                 used[best] += 1
                 if used[best] < slots[best]:
-                    heap_replace_top(keys, ids, size,
-                                     (need[best] - u) / (slots[best] - used[best]), best)
+                    heap_replace_top(keys, ids, size, (need[best] - u) / (
+                        slots[best] - used[best]) if per_slot else need[best] - u, best)
                 else:
                     size = heap_pop(keys, ids, size)
             else:
@@ -262,7 +264,8 @@ def pack_replicas(w, r, speed, slots, node, slot_offsets, phy2log, share):
             for j in range(n_skipped):
                 g = skipped[j]
                 if used[g] < slots[g]:  # make_room may have filled it
-                    size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g]), g)
+                    size = heap_push(keys, ids, size, need[g] / (slots[g] - used[g])
+                                     if per_slot else need[g], g)
             if best < 0:
                 # No device can take this replica: drop it; its slot becomes a valve.
                 r[e] -= 1
@@ -1066,7 +1069,7 @@ def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, r
         for attempt in range(1 if alike else 2):
             r = replica_counts(w, S, G, per_slot if attempt == 0 else per_device)
             trial_p[:] = -1
-            pack_replicas(w, r, speed, slots, node, slot_offsets, trial_p, trial_s)
+            pack_replicas(w, r, speed, slots, node, slot_offsets, trial_p, trial_s, True, True)
             add_valves(w, r, speed, slots, slot_offsets, trial_p, trial_s, slot_device)
             load = device_loads(w, trial_p, trial_s, slot_device, G)
             balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
