@@ -62,9 +62,10 @@ def test_bench_quick_has_a_row_per_scenario_skew_and_method(quick_bench):
     static = {(r["scenario"], r["skew"], r["method"]) for r in rows if r["kind"] == "static"
               and r["workload"] == "synthetic"}
     for name in bench.STATIC_CLUSTERS:
-        baseline = "eplb-style" if name in ("uneven-288", "heterogeneous") else "eplb (hierarchical)"
+        baseline = bench.baseline_method(bench.bench_cluster(name).topology(), 256, 8).name
         for skew in SKEWS:
-            assert {(name, skew, "moebalance"), (name, skew, baseline)} <= static
+            assert {(name, skew, "moebalance"), (name, skew, baseline),
+                    (name, skew, f"{baseline} + optimal shares")} <= static
     drift = {(r["scenario"], r["drift"], r["method"]) for r in rows if r["kind"] == "drift"}
     for name in bench.DRIFT_CLUSTERS:
         for rel in bench.DRIFT_RELS:
@@ -81,9 +82,27 @@ def test_bench_quick_compares_the_eplb_drop_in_on_homogeneous_clusters(quick_ben
     dropin = [d for d in json.loads((out / "results.json").read_text())["dropin"]
               if d["workload"] == "synthetic"]
     assert {(d["scenario"], d["skew"]) for d in dropin} == {
-        (name, skew) for name in ("homogeneous-320", "homogeneous-288") for skew in SKEWS}
+        (name, skew) for name in bench.STATIC_CLUSTERS for skew in SKEWS
+        if bench.eplb_layout(bench.bench_cluster(name).topology()) is not None}
     for d in dropin:
         assert d["balancedness_dropin"] >= d["balancedness_eplb"] - 1e-9 and d["speedup"] > 0
+
+
+def test_bench_quick_has_the_migration_frontier_and_the_per_step_view(quick_bench):
+    out, stdout = quick_bench
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Migration frontier" in stdout and "GB with optimizer" in stdout
+    for name in bench.DRIFT_CLUSTERS:
+        for rel in bench.DRIFT_RELS:
+            points = {p["budget"]: p for p in results["frontier"]
+                      if p["scenario"] == name and p["drift"] == rel}
+            assert set(points) >= {"keep-old", "1%", "2%", "3%", "5%", "10%", "fresh"}
+            assert points["keep-old"]["moves"] == 0
+            for pct in (1, 2, 3, 5, 10):  # max_moves is a hard cap
+                assert points[f"{pct}%"]["moves_pct"] <= pct + 1e-9
+    for d in results["per_step"]:  # a trace ships with the package
+        assert d["per_step_resplit"] <= d["per_step_static"] + 1e-9 and d["steps"] > 0
 
 
 def test_bench_quick_prints_the_table_and_one_thread(quick_bench):

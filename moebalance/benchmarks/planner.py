@@ -55,18 +55,36 @@ from ..placement import Placement
 from ..planner import plan, rebalance_experts
 from ..topology import Topology
 from . import eplb_baseline as eplb
+from .migration import FRONTIER_COLUMNS, frontier_cells, plot_frontier, run_frontier
+from .per_step import optimal_share_figures, per_step_figures
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")
 # The synthetic model (module docstring of moebalance.workloads): DeepSeek-V3 sized.
 MODEL = {"num_layers": 58, "num_experts": 256, "num_groups": 8, "top_k": 8, "tokens": 8192}
-STATIC_CLUSTERS = ("homogeneous-320", "homogeneous-288", "uneven-288", "heterogeneous")
-DRIFT_CLUSTERS = ("homogeneous-320", "heterogeneous")
+# Two more alike clusters beside the built-in ones: 3 slots per device (S - E = G) and 2 slots
+# per device (S - E < G: too few spare slots for a valve on every device).
+EXTRA_CLUSTERS = {c.name: c for c in (
+    workloads.Cluster("homogeneous-384", "384 slots on 128 identical devices (3 each), 16 nodes "
+                      "of 8", (1.0,) * 128, (3,) * 128, tuple(g // 8 for g in range(128))),
+    workloads.Cluster("homogeneous-288-144", "288 slots on 144 identical devices (2 each), 18 "
+                      "nodes of 8", (1.0,) * 144, (2,) * 144, tuple(g // 8 for g in range(144))),
+)}
+STATIC_CLUSTERS = ("homogeneous-320", "homogeneous-288", "homogeneous-384", "homogeneous-288-144",
+                   "uneven-288", "heterogeneous")
+DRIFT_CLUSTERS = STATIC_CLUSTERS
 DRIFT_RELS = (0.05, 0.2)
 PLOT_CLUSTERS = ("homogeneous-320", "heterogeneous")
 # --quick: few enough layers and calls that a run, JIT warm-up included, stays under 30 s on 2 cores.
 QUICK = {"num_layers": 8, "repeats": 2, "drift_steps": 2}
 FULL = {"num_layers": MODEL["num_layers"], "repeats": 5, "drift_steps": 6}
+
+
+
+def bench_cluster(name: str) -> workloads.Cluster:
+    """A built-in cluster of :mod:`moebalance.workloads` or one of :data:`EXTRA_CLUSTERS`."""
+    return EXTRA_CLUSTERS[name] if name in EXTRA_CLUSTERS else workloads.cluster(name)
+
 
 # -- methods ----------------------------------------------------------------------------------------
 
@@ -247,6 +265,16 @@ def run_static(workload: str, name: str, skew: str, topology: Topology, loads_LE
                         balancedness=f.balancedness, moves=float(L * S), moves_pct=100.0,
                         plan_ms=statistics.median(t), plan_ms_samples=t, num_layers=L,
                         num_slots=S, num_devices=topology.num_devices))
+    # the baseline's replicas with the best shares (its plan time: the shares are not timed):
+    # how much of its gap is only the equal split
+    summary, worst, balanced = optimal_share_figures(loads_LE, placements[methods[1].name],
+                                                     topology)
+    rows.append(Row(workload=workload, scenario=name, kind="static", skew=skew,
+                    method=f"{methods[1].name} + optimal shares", imbalance=summary,
+                    worst_layer_imbalance=worst, balancedness=balanced, moves=float(L * S),
+                    moves_pct=100.0, plan_ms=rows[1].plan_ms,
+                    plan_ms_samples=rows[1].plan_ms_samples, num_layers=L,
+                    num_slots=S, num_devices=topology.num_devices))
     dropin = None
     if len(methods) == 3:
         base_ms, fast_ms = statistics.median(times[1]), statistics.median(times[2])
@@ -341,6 +369,16 @@ def dropin_cells(dropins: Sequence[dict]) -> list[list[str]]:
              str(d["dropin_duplicates"]),
              f"{d['eplb_ms']:.1f}", f"{d['dropin_ms']:.2f}", f"{d['speedup']:.1f}x"]
             for d in dropins]
+
+
+PER_STEP_COLUMNS = ("workload", "scenario", "method", "window mean", "per step, static shares",
+                    "per step, best re-split", "steps")
+
+
+def per_step_cells(items: Sequence[dict]) -> list[list[str]]:
+    return [[d["workload"], d["scenario"], d["method"], f"{d['window_mean']:.4f}",
+             f"{d['per_step_static']:.4f}", f"{d['per_step_resplit']:.4f}", str(d["steps"])]
+            for d in items]
 
 
 def _is_number(text: str) -> bool:
@@ -512,18 +550,20 @@ def _synthetic_plan(args) -> list[tuple]:
     groups = MODEL["num_groups"]
     tasks = []
     for name in STATIC_CLUSTERS:
-        topo = workloads.cluster(name).topology()
+        topo = bench_cluster(name).topology()
         for skew in workloads.SKEWS:
             tasks.append(("static", lambda name=name, topo=topo, skew=skew: run_static(
                 "synthetic", name, skew, topo, loads[skew], groups, args.repeats)))
     for name in DRIFT_CLUSTERS:
-        topo = workloads.cluster(name).topology()
+        topo = bench_cluster(name).topology()
         for k, rel in enumerate(DRIFT_RELS):
             seq = [loads["moderate"]]
             for step in range(args.drift_steps):
                 seq.append(workloads.drift(seq[-1], rel, seed=args.seed * 1_000 + 100 * k + step))
             tasks.append(("drift", lambda name=name, topo=topo, rel=rel, seq=seq: run_drift(
                 "synthetic", name, "moderate", topo, seq, groups, rel)))
+            tasks.append(("frontier", lambda name=name, topo=topo, rel=rel, seq=seq: run_frontier(
+                "synthetic", name, topo, seq, rel)))
     return tasks
 
 
@@ -543,7 +583,22 @@ def _trace_plan(args, counts_TLE: np.ndarray, meta: dict) -> tuple[list[tuple], 
         if len(seq) > 1:  # a trace of one step has nothing to replay
             tasks.append(("drift", lambda c=c, topo=topo: run_drift(
                 f"trace:{args.trace}", c.name, "trace", topo, seq, groups, None)))
+            tasks.append(("frontier", lambda c=c, topo=topo: run_frontier(
+                f"trace:{args.trace}", c.name, topo, seq, None)))
+            # per step: planned for window 0's mean, met by each of its steps
+            tasks.append(("per_step", lambda c=c, topo=topo: run_per_step(
+                f"trace:{args.trace}", c.name, topo, counts_TLE[:size])))
     return tasks, size
+
+
+def run_per_step(workload: str, name: str, topology: Topology, window_TLE: np.ndarray
+                 ) -> list[dict]:
+    """The per-step view (:mod:`.per_step`) of a plan for ``window_TLE``'s mean load, met by
+    each of the window's steps."""
+    placement = plan(window_TLE.mean(axis=0), topology)
+    figures = per_step_figures(window_TLE, placement, topology)
+    return [{"workload": workload, "scenario": name, "method": "moebalance (window mean)",
+             **figures}]
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -592,6 +647,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     dropins: list[dict] = []
     cases: list[StaticCase] = []
+    frontier: list = []
+    per_step: list[dict] = []
     with _progress(len(tasks), quiet=False) as bar:
         for kind, task in tasks:
             if kind == "static":
@@ -599,6 +656,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
                 cases.append(case)
                 if dropin is not None:
                     dropins.append(dropin)
+            elif kind == "frontier":
+                frontier += task()
+                new_rows = []
+            elif kind == "per_step":
+                per_step += task()
+                new_rows = []
             else:
                 new_rows = task()
             rows += new_rows
@@ -613,6 +676,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if dropins:
         print("\nEPLB drop-in: moebalance.rebalance_experts vs DeepSeek EPLB, same arguments")
         print(format_text(DROPIN_COLUMNS, dropin_cells(dropins)))
+    if frontier:
+        print("\nMigration frontier: mean over the re-plans of each sequence, re-planned with "
+              "previous= at a move budget (% of slots x layers per re-plan)")
+        print(format_text(FRONTIER_COLUMNS, frontier_cells(frontier)))
+    if per_step:
+        print("\nPer step: a plan for one window's mean load, met by each step of that window "
+              "(mean over steps)")
+        print(format_text(PER_STEP_COLUMNS, per_step_cells(per_step)))
     for line in notes:
         print(f"note: {line}")
     print()
@@ -620,21 +691,25 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         print(line)
 
     baseline_of = {r.scenario: r.method for r in rows
-                   if r.kind == "static" and not r.method.startswith("moebalance")}
+                   if r.kind == "static" and not r.method.startswith("moebalance")
+                   and not r.method.endswith("optimal shares")}
     shown = [c for c in cases if c.cluster in PLOT_CLUSTERS and c.skew == "heavy"]
     if shown:
         plot(shown, baseline_of, out / "plot.png")
+    if frontier:
+        plot_frontier(frontier, out / "frontier.png")
 
     config = {"quick": args.quick, "repeats": args.repeats, "num_layers": args.layers,
               "drift_steps": args.drift_steps, "seed": args.seed, "workload": args.workload,
               "trace": args.trace, "model": MODEL,
               "skews": {k: asdict(v) for k, v in workloads.SKEWS.items()},
               "clusters": {c.name: c.description for c in
-                           [workloads.cluster(n) for n in STATIC_CLUSTERS]},
+                           [bench_cluster(n) for n in STATIC_CLUSTERS]},
               "drift_rels": list(DRIFT_RELS), "wall_s": round(elapsed, 2)}
     (out / "results.json").write_text(json.dumps(
         {"machine": info, "config": config, "rows": [asdict(r) for r in rows],
-         "dropin": dropins, "notes": notes}, indent=2) + "\n", encoding="utf-8")
+         "dropin": dropins, "frontier": [asdict(p) for p in frontier], "per_step": per_step,
+         "notes": notes}, indent=2) + "\n", encoding="utf-8")
     md = ["# moebalance planner benchmark", "", *[f"- {x}" for x in machine_lines(info)],
           f"- model: {args.layers} layers x {MODEL['num_experts']} experts, "
           f"{MODEL['tokens']} tokens x top-{MODEL['top_k']} per step; skews "
@@ -645,10 +720,23 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if dropins:
         md += ["## EPLB drop-in", "", "moebalance.rebalance_experts vs DeepSeek EPLB, same arguments.",
                "", format_markdown(DROPIN_COLUMNS, dropin_cells(dropins)), ""]
+    if frontier:
+        md += ["## Migration frontier", "", "Re-plans with previous= at a move budget per re-plan "
+               "(% of slots x layers); keep-old: no move, shares re-split; fresh: a plan from "
+               "scratch each time. Bytes for a DeepSeek-V3 expert (88 MB of weights, 617 MB "
+               "with an fp32 master copy and two Adam moments).", "",
+               format_markdown(FRONTIER_COLUMNS, frontier_cells(frontier)), ""]
+    if per_step:
+        md += ["## Per step", "", "A plan for one window's mean load, met by each step of the "
+               "window: imbalance with the plan's shares and with the best re-split of "
+               "each step's tokens over the plan's replicas (an LP per step and layer), beside "
+               "the figure for the window's mean load.", "",
+               format_markdown(PER_STEP_COLUMNS, per_step_cells(per_step)), ""]
     md += [f"- note: {x}" for x in notes]
     (out / "summary.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'}"
-          + (f", {out / 'plot.png'}" if shown else "") + f" ({elapsed:.1f} s)")
+          + (f", {out / 'plot.png'}" if shown else "")
+          + (f", {out / 'frontier.png'}" if frontier else "") + f" ({elapsed:.1f} s)")
     return 0
 
 
