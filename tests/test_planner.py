@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 import moebalance as mb
+from moebalance.planner import MoveCost
+from strategies import loads as loads_strategy
 from strategies import placement_cases, topologies
 
 
@@ -313,3 +315,98 @@ def test_bad_arguments_raise_clear_errors():
 def test_fewer_slots_than_experts_is_rejected(topo):
     with pytest.raises(ValueError, match="every expert needs at least one slot"):
         mb.plan(np.ones((1, topo.num_slots + 1)), topo)
+
+
+# -- at the limit ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_perfect_balance_where_spare_slots_allow_a_valve_per_device(data):
+    # Devices of equal speed and slots with S - E >= G: one valve per device can balance
+    # exactly (wrap-around), so the hottest device is within 0.1% of the ideal.
+    topo = data.draw(topologies(min_devices=2, max_devices=12, min_slots=2, max_slots=6,
+                                heterogeneous=False))
+    E = data.draw(st.integers(int(topo.slots.max()), topo.num_slots - topo.num_devices))
+    loads = data.draw(st.integers(1, 3).flatmap(lambda L: loads_strategy(L, E)))
+    p = mb.plan(loads, topo)
+    p.validate(topo)
+    assert np.all(mb.imbalance(loads, p, topo) <= 1.001)
+
+
+def test_bench_sized_fresh_plans_are_exact_on_alike_clusters():
+    from moebalance import workloads
+
+    w = workloads.synthetic_loads("heavy", 1, num_layers=6)
+    for G, k in ((64, 5), (32, 9), (128, 3)):
+        topo = mb.Topology.uniform(G, k, devices_per_node=8)
+        p = mb.plan(w, topo)
+        p.validate(topo)
+        assert mb.imbalance(w, p, topo).max() <= 1.0 + 1e-9
+
+
+# -- re-plans --------------------------------------------------------------------------------------
+
+
+def test_replan_moves_few_slots_of_every_layer_and_never_rebuilds_one(rng):
+    topo = mb.Topology.from_arrays([1.0] * 8 + [0.5] * 8, [4] * 8 + [6] * 8, np.arange(16) // 4)
+    w = _zipf_loads(rng, 6, 56, exponent=0.6)
+    previous = mb.plan(w, topo)
+    drifted = w * rng.lognormal(0, 0.2, w.shape)
+    p = mb.plan(drifted, topo, previous=previous)
+    p.validate(topo)
+    assert p.moves_per_layer(previous).max() <= 0.5 * topo.num_slots
+    kept = mb.plan(drifted, topo, previous=previous, max_moves=0)
+    assert mb.summary_imbalance(drifted, p, topo) < mb.summary_imbalance(drifted, kept, topo)
+
+
+def test_move_cost_trades_moves_against_the_time_they_save(rng):
+    topo = mb.Topology.uniform(16, 5, devices_per_node=4)
+    w = _zipf_loads(rng, 6, 64)
+    previous = mb.plan(w, topo)
+    drifted = w * rng.lognormal(0, 0.2, w.shape)
+    free = mb.plan(drifted, topo, previous=previous)
+    cheap = mb.plan(drifted, topo, previous=previous,
+                    move_cost=MoveCost(bytes_per_move=1.0, bandwidth=1e12, steps=1e6,
+                                       step_seconds=1.0))
+    dear = mb.plan(drifted, topo, previous=previous,
+                   move_cost=MoveCost(bytes_per_move=617e6, bandwidth=1e6, steps=1,
+                                      step_seconds=1e-3))
+    assert cheap == free and free.moves_from(previous) > 0
+    assert dear.moves_from(previous) == 0
+    assert dear == mb.plan(drifted, topo, previous=previous, max_moves=0)
+    assert MoveCost(617e6, 50e9, 200, 0.5).per_move == pytest.approx(617e6 / 50e9 / 100)
+
+
+def test_spread_aware_plans_serve_the_steps_at_least_as_well(rng):
+    from moebalance.planner import _jit, algorithm
+
+    topo = mb.Topology.from_arrays([1.0] * 4 + [0.5] * 2, [4] * 6)
+    steps = rng.poisson(_zipf_loads(rng, 3, 20, tokens=2000.0)[None] * rng.lognormal(
+        0, 0.4, (40, 3, 20))).astype(np.float64)
+    mean = steps.mean(axis=0)
+    k = _jit.compiled()
+
+    def served(p):
+        return k.step_times(steps, p.phy2log.copy(), p.share.copy(), topo.speed,
+                            topo.slot_device, algorithm.MAX_SWEEPS)
+
+    plain, aware = mb.plan(mean, topo), mb.plan(mean, topo, spread=steps)
+    aware.validate(topo)
+    assert np.all(served(aware) <= served(plain) + 1e-9)
+    ref = mb.plan(mean, topo, spread=steps, backend="numpy")
+    np.testing.assert_array_equal(ref.phy2log, aware.phy2log)
+
+
+def test_move_cost_and_spread_reject_bad_arguments():
+    topo = mb.Topology.uniform(2, 3)
+    w = np.ones((2, 4))
+    p = mb.plan(w, topo)
+    with pytest.raises(ValueError, match=r"MoveCost\(bandwidth=...\) must be a finite number > 0"):
+        MoveCost(1.0, 0.0, 1, 1.0)
+    with pytest.raises(TypeError, match="move_cost must be a moebalance.planner.MoveCost"):
+        mb.plan(w, topo, previous=p, move_cost=3.0)
+    with pytest.raises(ValueError, match="move_cost prices moves away from a previous"):
+        mb.plan(w, topo, move_cost=MoveCost(1.0, 1.0, 1, 1.0))
+    with pytest.raises(ValueError, match=r"spread must be the per-step counts \[steps, 2, 4\]"):
+        mb.plan(w, topo, spread=np.ones((2, 4)))

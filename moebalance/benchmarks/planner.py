@@ -595,10 +595,14 @@ def run_per_step(workload: str, name: str, topology: Topology, window_TLE: np.nd
                  ) -> list[dict]:
     """The per-step view (:mod:`.per_step`) of a plan for ``window_TLE``'s mean load, met by
     each of the window's steps."""
-    placement = plan(window_TLE.mean(axis=0), topology)
-    figures = per_step_figures(window_TLE, placement, topology)
-    return [{"workload": workload, "scenario": name, "method": "moebalance (window mean)",
-             **figures}]
+    mean_LE = window_TLE.mean(axis=0)
+    out = []
+    for method, spread in (("moebalance (window mean)", None),
+                           ("moebalance (mean + spread)", window_TLE)):
+        placement = plan(mean_LE, topology, spread=spread)
+        out.append({"workload": workload, "scenario": name, "method": method,
+                    **per_step_figures(window_TLE, placement, topology)})
+    return out
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:

@@ -6,9 +6,11 @@ runs compiled by Numba when it is available (:func:`moebalance.backends`, part `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .._arrays import planning_loads
+from .._arrays import as_loads, planning_loads, to_numpy
 from ..backends import backend
 from ..placement import Placement
 from ..topology import Topology
@@ -18,9 +20,6 @@ from .eplb import rebalance_experts
 # With a previous placement, moves go to a layer while its hottest device is more than this
 # fraction above what a fresh plan reaches: moves are only spent where they buy real balance.
 DEFAULT_TOLERANCE = 0.005
-# Without a move budget, a layer that repair cannot bring within this fraction of a fresh plan
-# takes the fresh plan, although that moves nearly all of its slots.
-REBUILD_GAIN = 0.02
 # Improving moves a fresh plan makes per layer when the layer is small enough to search
 # exhaustively (slots x experts <= algorithm.EXHAUSTIVE_SIZE).
 SMALL_LAYER_MOVES = 16
@@ -31,9 +30,48 @@ def _kernels(name: str | None = None):
     return _jit.compiled() if name == "numba" else _jit.interpreted()
 
 
+@dataclass(frozen=True)
+class MoveCost:
+    """What one expert move costs, against the step time it saves until the next re-plan.
+
+    Args:
+        bytes_per_move: bytes one expert copy transfers (DeepSeek-V3: 88e6 for bf16 weights,
+            617e6 with an fp32 master copy and two Adam moments).
+        bandwidth: bytes per second of the link a copy travels over.
+        steps: steps the new placement serves before the next re-plan.
+        step_seconds: seconds the MoE layers of one step take at perfect balance (the ideal
+            time); a layer's share of it is its share of the ideal times.
+
+    A re-plan keeps a layer's moves only when the time they save, ``(old - new hottest time) /
+    sum of ideal times * step_seconds * steps``, exceeds their transfer time ``moves *
+    bytes_per_move / bandwidth``; otherwise the layer keeps its placement (shares re-split).
+    """
+
+    bytes_per_move: float
+    bandwidth: float
+    steps: float
+    step_seconds: float
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_per_move", "bandwidth", "steps", "step_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                                  np.floating)) \
+                    or not np.isfinite(value) or value <= 0:
+                raise ValueError(f"MoveCost({name}=...) must be a finite number > 0, got "
+                                 f"{value!r}")
+
+    @property
+    def per_move(self) -> float:
+        """Price of one move in units of the summary imbalance (DESIGN section 2): a move is
+        worth making when it lowers ``sum_l max_l / sum_l ideal_l`` by more than this."""
+        return self.bytes_per_move / self.bandwidth / (self.steps * self.step_seconds)
+
+
 def plan(loads, topology: Topology, previous: Placement | None = None,
-         max_moves: int | None = None, *, tolerance: float = DEFAULT_TOLERANCE,
-         polish: int = 0, backend: str | None = None) -> Placement:
+         max_moves: int | None = None, *, move_cost: MoveCost | None = None, spread=None,
+         tolerance: float = DEFAULT_TOLERANCE, polish: int = 0,
+         backend: str | None = None) -> Placement:
     """Plan expert replicas, their devices and their token shares for every layer.
 
     Args:
@@ -43,19 +81,27 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         previous: the placement in service now. Experts stay where they are unless moving them
             buys real balance; ``previous`` is not modified.
         max_moves: at most this many expert copies in total over all layers (needs
-            ``previous``); None: no limit.
+            ``previous``); None: no limit. A hard cap.
+        move_cost: a :class:`MoveCost` (needs ``previous``): a layer's moves are kept only when
+            the step time they save until the next re-plan exceeds the time they take.
+        spread: how the loads move from step to step: the per-step counts [T, L, E] of the
+            window the loads were averaged over. A fresh plan then also plans for the loads
+            plus one and two standard deviations, and with the most volatile experts as ring
+            valves, and each layer keeps the candidate whose replicas, re-split step by step
+            (as the dispatcher's per-step re-split does), finish the window's steps earliest
+            on average.
         tolerance: with ``previous``, a layer is left alone while its imbalance is within
             ``tolerance`` of what a fresh plan reaches (relative, 0.005 = 0.5%); above that,
-            single moves repair it, worst layer first. Without ``max_moves``, a layer that
-            repair leaves more than 2% above the fresh plan is re-planned from scratch.
-        polish: extra improving moves per layer for a fresh plan of a large layer. Each costs
-            about one share re-balance (measured, 58 layers x 256 experts on 320 slots: 16
-            take imbalance from 1.014 to 1.006 and the plan from 4 ms to 60-85 ms); 0 keeps
+            moves repair it, the layer with most tokens above its target first. A layer is
+            never re-planned from scratch.
+        polish: extra improving moves per layer for a fresh plan of a large layer that the
+            valve chain cannot balance exactly (see RESULTS.md for what they cost); 0 keeps
             planning in milliseconds.
         backend: "numba" or "numpy" to force an implementation (default: automatic).
 
     Returns:
-        A validated :class:`Placement`; the same inputs give the same placement in any process.
+        A valid :class:`Placement` (by construction: it is not validated again; call
+        ``validate()`` to check); the same inputs give the same placement in any process.
     """
     w = planning_loads(loads, topology)
     L, E = w.shape
@@ -77,6 +123,14 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         if previous is None:
             raise ValueError("max_moves bounds moves away from a previous placement: pass "
                              "previous=, or drop max_moves for a first placement")
+    if move_cost is not None:
+        if not isinstance(move_cost, MoveCost):
+            raise TypeError(f"move_cost must be a moebalance.planner.MoveCost or None, got "
+                            f"{type(move_cost).__name__}")
+        if previous is None:
+            raise ValueError("move_cost prices moves away from a previous placement: pass "
+                             "previous=, or drop move_cost for a first placement")
+    counts = None if spread is None else _spread(spread, w.shape)
     if not (0 <= float(tolerance) < 1):
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     if isinstance(polish, bool) or int(polish) != polish or polish < 0:
@@ -85,23 +139,68 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         raise ValueError(f"backend must be 'numba', 'numpy' or None, got {backend!r}")
 
     k = _kernels(backend)
-    # quicksort: the kernel puts equal loads in expert order, so the sort need not be stable
-    order = np.argsort(-w, axis=1, kind="quicksort")
-    args = (order, topology.speed, topology.slots, topology.node, topology.slot_offsets,
-            topology.slot_device, _reserves(topology, E))
-    phy2log, share = k.plan_fresh(w, *args, SMALL_LAYER_MOVES, int(polish), algorithm.MAX_SWEEPS)
+    phy2log, share = _fresh(k, w, w, topology, int(polish))
+    if counts is not None:
+        phy2log, share = _spread_aware(k, w, counts, topology, int(polish), phy2log, share)
     if previous is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()
         fresh_time = _max_time(w, phy2log, share, topology)
         target = np.maximum(fresh_time, ideal) * (1.0 + float(tolerance))
         budget = -1 if max_moves is None else int(max_moves)
-        kept_p, kept_s, _, _ = k.plan_repair(
+        phy2log, share, kept_share, moves = k.plan_repair(
             w, topology.speed, topology.slot_offsets, topology.slot_device,
             previous.phy2log, previous.share, target, budget, algorithm.MAX_SWEEPS)
-        phy2log, share = kept_p, kept_s
+        if move_cost is not None:
+            kept_time = _max_time(w, previous.phy2log, kept_share, topology)
+            saved = (kept_time - _max_time(w, phy2log, share, topology)) / max(ideal.sum(), 1e-300)
+            dear = (moves > 0) & (saved <= moves * move_cost.per_move)
+            phy2log[dear] = previous.phy2log[dear]
+            share[dear] = kept_share[dear]
     # valid by construction (the tests validate every kind of plan): not validated again here
     return Placement(phy2log=phy2log, share=share, slot_device=topology.slot_device,
                      num_experts=E)
+
+
+def _fresh(k, w: np.ndarray, vol: np.ndarray, topology: Topology, polish: int):
+    """The fresh-plan kernel for loads ``w`` [L, E], ring valves chosen by ``vol`` [L, E]."""
+    # quicksort: the kernel puts equal loads in expert order, so the sort need not be stable
+    order = np.argsort(-w, axis=1, kind="quicksort")
+    return k.plan_fresh(w, order, np.ascontiguousarray(vol), topology.speed, topology.slots,
+                        topology.node, topology.slot_offsets, topology.slot_device,
+                        _reserves(topology, w.shape[1]), SMALL_LAYER_MOVES, polish,
+                        algorithm.MAX_SWEEPS)
+
+
+def _spread_aware(k, w, counts_TLE, topology: Topology, polish: int, phy2log, share):
+    """Per layer, the candidate plan whose replicas serve the steps of ``counts_TLE`` best
+    (see ``plan(spread=...)``); the plan for ``w`` is the first candidate."""
+    std = counts_TLE.std(axis=0)
+    best_p, best_s = phy2log.copy(), share.copy()
+    best_t = k.step_times(counts_TLE, phy2log, share, topology.speed, topology.slot_device,
+                          algorithm.MAX_SWEEPS)
+    for loads, vol in ((w, std), (w + std, w + std), (w + 2.0 * std, w + 2.0 * std)):
+        p, s = _fresh(k, loads, vol, topology, polish)
+        # shares for the mean load: the candidates differ in their replicas only
+        load = np.stack([k.device_loads(w[i], p[i], s[i], topology.slot_device,
+                                        topology.num_devices) for i in range(w.shape[0])])
+        for i in range(w.shape[0]):
+            k.balance_shares(w[i], topology.speed, topology.slot_device, p[i], s[i], load[i],
+                             algorithm.MAX_SWEEPS)
+        t = k.step_times(counts_TLE, p, s, topology.speed, topology.slot_device,
+                         algorithm.MAX_SWEEPS)
+        better = t < best_t * (1.0 - 1e-9)
+        best_p[better], best_s[better], best_t[better] = p[better], s[better], t[better]
+    return best_p, best_s
+
+
+def _spread(spread, shape: tuple[int, int]) -> np.ndarray:
+    """``spread`` checked: per-step counts [T, L, E] float64 matching loads of ``shape``."""
+    arr = to_numpy(spread, "spread")
+    if arr.ndim != 3 or arr.shape[1:] != shape or arr.shape[0] < 1:
+        raise ValueError(f"spread must be the per-step counts [steps, {shape[0]}, {shape[1]}] "
+                         f"of the window the loads average, got shape {arr.shape}")
+    return np.ascontiguousarray(
+        as_loads(arr.reshape(-1, shape[1]), "spread").reshape(arr.shape))
 
 
 def _reserves(topology: Topology, num_experts: int) -> np.ndarray:
@@ -162,4 +261,4 @@ def _max_time(w, phy2log, share, topology: Topology) -> np.ndarray:
     return (loads / topology.speed).max(axis=1)
 
 
-__all__ = ["plan", "rebalance_experts"]
+__all__ = ["MoveCost", "plan", "rebalance_experts"]

@@ -698,8 +698,8 @@ def improve_layer(w, speed, slot_device, slot_offsets, phy2log, share, load, tar
 
 
 @kernel
-def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, per_slot, snake,
-                ring, phy2log, share):
+def chain_layer(w, order, vol, speed, slots, slot_offsets, slot_device, reserve, per_slot,
+                snake, ring, phy2log, share):
     """Fresh plan of one layer that reaches every device's ideal load exactly when it can.
 
     1. Whole experts, heaviest first (``order``), keeping ``reserve[g]`` slots of device ``g``
@@ -772,7 +772,7 @@ def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, per_
             else:
                 size = heap_pop(keys, ids, size)
     tiny = 1e-12 * total
-    if ring and ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
+    if ring and ring_valves(vol, slots, slot_offsets, used, phy2log, amount, load, cap):
         return finish_chain(w, order, slots, slot_offsets, slot_device, used, phy2log, amount,
                             cap, share, total)
     # step 2: the chain. Senders by excess, largest first; receivers in a queue.
@@ -857,7 +857,7 @@ def chain_layer(w, order, speed, slots, slot_offsets, slot_device, reserve, per_
 
 
 @kernel
-def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
+def ring_valves(vol, slots, slot_offsets, used, phy2log, amount, load, cap):
     """The valve chain closed into a ring: along a cyclic order of the devices, each device
     gives the next a replica of its largest piece carrying ``a_{k+1} = a_0 + sum_{i<=k} b_i``
     (``b = load - cap``, in ring order), so every device ends at its ideal load. The ring
@@ -866,8 +866,11 @@ def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
     share 1 as the pieces allow: after a drift, a re-split moves load through every valve
     either way, around the ring both ways.
 
-    Needs a free slot on every device; returns False (nothing changed) when some device has
-    none or no ``a_0`` keeps every valve strictly inside its piece.
+    Each device's valve is its piece of the largest ``vol`` [E] among its pieces of at least
+    half its largest (``vol``: loads, or the per-step spread of the loads, so the re-split of
+    every step can move a volatile expert's tokens between two devices). Needs a free slot on
+    every device; returns False (nothing changed) when some device has none or no ``a_0`` keeps
+    every valve strictly inside its piece.
     """
     G = cap.shape[0]
     if G < 2:
@@ -877,9 +880,15 @@ def ring_valves(slots, slot_offsets, used, phy2log, amount, load, cap):
     for g in range(G):
         if used[g] == 0 or used[g] >= slots[g]:
             return False
-        big[g] = slot_offsets[g]
-        for t in range(slot_offsets[g] + 1, slot_offsets[g] + used[g]):
-            if amount[t] > amount[big[g]]:
+        largest = 0.0
+        for t in range(slot_offsets[g], slot_offsets[g] + used[g]):
+            largest = max(largest, amount[t])
+        # the valve: the most volatile expert among the device's pieces of at least half its
+        # largest (with vol = loads: the largest piece)
+        big[g] = -1
+        for t in range(slot_offsets[g], slot_offsets[g] + used[g]):
+            if amount[t] >= 0.5 * largest and (
+                    big[g] < 0 or vol[phy2log[t]] > vol[phy2log[big[g]]]):
                 big[g] = t
         b[g] = load[g] - cap[g]
     by_b = np.argsort(b, kind="mergesort")  # most below first ... most above last
@@ -1001,13 +1010,14 @@ def holds_expert(phy2log, lo, hi, e):
 
 
 @kernel
-def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, reserves,
-               small_moves, large_moves, max_sweeps):
+def plan_fresh(loads, order_LE, vol_LE, speed, slots, node, slot_offsets, slot_device,
+               reserves, small_moves, large_moves, max_sweeps):
     """From-scratch placement of every layer: (phy2log [L,S] int64, share [L,S] float64).
 
     ``order_LE`` [L, E]: each layer's experts by load, heaviest first, in any order among equal
     loads (a fast unstable sort); ties are put in expert order here, so plans never depend on
-    how the sort broke them.
+    how the sort broke them. ``vol_LE`` [L, E]: how much each expert's load moves from step to
+    step (the loads themselves when unknown), for the choice of ring valves.
 
     First the valves of :func:`chain_layer`, for each row of ``reserves`` [V, G] (free slots
     per device) in turn until one is exact: on alike devices the boustrophedon packing, then
@@ -1048,9 +1058,9 @@ def plan_fresh(loads, order_LE, speed, slots, node, slot_offsets, slot_device, r
             for attempt in range(2 if even else 1):
                 if best_ratio <= exact:
                     break
-                ratio = chain_layer(w, order, speed, slots, slot_offsets, slot_device,
-                                    reserves[v], not even, even and attempt == 0, True,
-                                    trial_p, trial_s)
+                ratio = chain_layer(w, order, vol_LE[layer], speed, slots, slot_offsets,
+                                    slot_device, reserves[v], not even, even and attempt == 0,
+                                    True, trial_p, trial_s)
                 if ratio > exact and total > 0.0:
                     load = device_loads(w, trial_p, trial_s, slot_device, G)
                     balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
@@ -1336,3 +1346,23 @@ def plan_repair(loads, speed, slot_offsets, slot_device, prev_phy2log, prev_shar
         gap[worst] = total_excess(loads_now[worst], speed, target[worst]) / max(
             loads[worst].sum(), 1e-300)
     return phy2log, share, kept_share, moves
+
+
+@kernel
+def step_times(counts_TLE, phy2log, share, speed, slot_device, max_sweeps):
+    """[L]: mean over the steps of ``counts_TLE`` [T, L, E] of each layer's hottest time when
+    each step's tokens are re-split over the placement's replicas (water filling from the
+    placement's shares), the figure a spread-aware plan minimises."""
+    T, L = counts_TLE.shape[0], counts_TLE.shape[1]
+    G = speed.shape[0]
+    out = np.zeros(L, dtype=np.float64)
+    trial = np.empty(share.shape[1], dtype=np.float64)
+    for layer in range(L):
+        for t in range(T):
+            w = counts_TLE[t, layer]
+            trial[:] = share[layer]
+            load = device_loads(w, phy2log[layer], trial, slot_device, G)
+            balance_shares(w, speed, slot_device, phy2log[layer], trial, load, max_sweeps)
+            out[layer] += max_time(load, speed)
+        out[layer] /= T
+    return out
