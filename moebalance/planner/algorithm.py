@@ -6,19 +6,32 @@ same functions compiled. Nothing here validates: :func:`moebalance.plan` has che
 
 The method, per layer (E experts with loads ``w``, G devices with ``speed``/``slots``):
 
-1. ``replica_counts``: every slot holds a replica, so hand the S - E spare slots, one at a time,
-   to the expert with the largest load per replica (at most one replica per device).
-2. ``pack_replicas``: replicas, heaviest first, each to the device that would finish earliest
-   (``(load + piece) / speed``) among those with a free slot and no replica of that expert yet;
-   ties prefer the node of the expert's first replica (keeps its all-to-all traffic local).
-3. ``balance_shares``: replicated experts are valves: their token shares are re-split by water
-   filling (equal finishing time on the devices that hold them), sweep after sweep. This
-   minimises ``sum_g load_g^2 / speed_g``, whose minimiser also minimises ``max_g load_g/speed_g``
-   (the achievable device loads form a polymatroid base polytope; Fujishige 1980).
-4. ``improve``: single-slot changes that lower the hottest device's time: a spare replica
-   (of an expert that has others) is overwritten by a replica of a piece on the hottest
-   device; failing that, two single experts swap devices. With a previous placement the same
-   moves repair it, and each one counts against the move budget.
+Fresh plan (:func:`plan_fresh`). With token shares an expert is a divisible job, so the ideal
+``max_g load_g / speed_g = sum(w) / sum(speed)`` is reachable whenever the spare slots leave
+room for the split pieces:
+
+1. ``chain_layer``: whole experts on all but ``reserve[g]`` slots of every device, then valves
+   in the free slots that bring every device to its ideal load exactly: a ring of valves
+   (``ring_valves``, McNaughton's wrap-around closed into a ring, with a free circulation that
+   keeps every valve mid-range) or, when that does not fit, a north-west-corner chain (at most
+   G - 1 valves). Exact on devices of equal speed and slots with S - E >= G in practice.
+2. Where no chain is exact (too few spare slots): ``replica_counts`` (spare slots, one at a
+   time, to the expert with the largest load per replica, at most one per device),
+   ``pack_replicas`` (replicas, heaviest first, to the device that needs the most load per
+   free slot), ``add_valves`` (spare slots as share-0 replicas), ``balance_shares`` (water
+   filling of every replicated expert's shares: it minimises ``sum_g load_g^2 / speed_g``, whose
+   minimiser also minimises ``max_g load_g/speed_g``; the achievable device loads form a
+   polymatroid base polytope, Fujishige 1980) and ``improve_layer`` (single-slot changes that
+   lower the hottest device). The layer keeps the best plan.
+
+Re-plan (:func:`plan_repair`): the previous placement with shares re-split for the new loads,
+then ``repair_step`` moves, always on the layer with the most tokens above its target time:
+progress is the total excess ``sum_g max(0, load_g - target * speed_g)`` (moves on devices tied
+at the maximum count), a move puts a piece of a device above the target on a device with room,
+in the slot of a replica whose expert's other replicas take its share (their share slack), and
+a swap of two pieces serves where no such slot exists. No layer is re-planned from scratch.
+
+The EPLB drop-in (:mod:`.eplb`) uses ``replica_counts`` and ``pack_replicas`` with equal shares.
 
 Shapes: E experts, G devices, S slots (grouped by device), L layers.
 """
