@@ -115,6 +115,7 @@ def _duplicate_warning(num_experts, num_replicas, num_groups, num_nodes, num_gpu
 def refine_equal(w, count, per_gpu, num_gpus, local, max_swaps):
     """Swap two replicas between the hottest GPU and one of the ``SWAP_PARTNERS`` lightest
     while that lowers the hottest GPU's load (equal split: a replica carries ``w / count``).
+    Returns the hottest GPU's load after.
 
     ``local`` [num_gpus * per_gpu]: expert of every slot, GPU by GPU; swaps never put two
     replicas of one expert on one GPU unless the GPU held two already.
@@ -123,11 +124,13 @@ def refine_equal(w, count, per_gpu, num_gpus, local, max_swaps):
     for s in range(local.shape[0]):
         load[s // per_gpu] += w[local[s]] / count[local[s]]
     partners = np.empty(min(SWAP_PARTNERS, num_gpus), dtype=np.int64)
-    for _ in range(max_swaps):
+    for _ in range(max_swaps + 1):
         hot = 0
         for g in range(1, num_gpus):
             if load[g] > load[hot]:
                 hot = g
+        if _ == max_swaps:
+            return load[hot]
         # the lightest GPUs, lightest first
         n = 0
         for g in range(num_gpus):
@@ -158,11 +161,12 @@ def refine_equal(w, count, per_gpu, num_gpus, local, max_swaps):
                         best_a = a
                         best_b = b
         if best_a < 0:
-            return
+            return load[hot]
         delta = w[local[best_a]] / count[local[best_a]] - w[local[best_b]] / count[local[best_b]]
         load[hot] -= delta
         load[best_b // per_gpu] += delta
         local[best_a], local[best_b] = local[best_b], local[best_a]
+    return load.max()
 
 
 @kernel
@@ -194,40 +198,53 @@ def dropin_layer(w, num_replicas, num_groups, num_nodes, num_gpus, distinct, max
                   np.zeros(num_nodes, dtype=np.int64), node_offsets, group_at, unused, False,
                   True)
     # 2. each node's experts on its GPUs
-    experts = np.empty(per_node, dtype=np.int64)
-    w_node = np.empty(per_node, dtype=np.float64)
+    experts = np.empty((num_nodes, per_node), dtype=np.int64)
+    w_node = np.empty((num_nodes, per_node), dtype=np.float64)
+    counts = np.empty((num_nodes, per_node), dtype=np.int64)
+    local = np.full((num_nodes, slots_per_node), -1, dtype=np.int64)
+    peak = np.zeros(num_nodes, dtype=np.float64)
     gpu_offsets = np.arange(gpus_per_node + 1, dtype=np.int64) * per_gpu
     ones = np.ones(gpus_per_node)
     per_gpu_slots = np.full(gpus_per_node, per_gpu, dtype=np.int64)
     same_node = np.zeros(gpus_per_node, dtype=np.int64)
-    local = np.empty(slots_per_node, dtype=np.int64)
     shares = np.empty(slots_per_node, dtype=np.float64)
     for n in range(num_nodes):
         k = 0
         for j in range(node_offsets[n], node_offsets[n + 1]):
             for i in range(group_size):
-                experts[k] = group_at[j] * group_size + i
-                w_node[k] = w[experts[k]]
+                experts[n, k] = group_at[j] * group_size + i
+                w_node[n, k] = w[experts[n, k]]
                 k += 1
         # -1: every spare slot gets a replica, even of an expert without load (as in EPLB)
-        count = replica_counts(w_node, slots_per_node,
-                               gpus_per_node if distinct else slots_per_node, -1.0)
-        local[:] = -1
-        pack_replicas(w_node, count, ones, per_gpu_slots, same_node, gpu_offsets, local,
-                      shares, False, distinct)
+        counts[n] = replica_counts(w_node[n], slots_per_node,
+                                   gpus_per_node if distinct else slots_per_node, -1.0)
+        pack_replicas(w_node[n], counts[n], ones, per_gpu_slots, same_node, gpu_offsets,
+                      local[n], shares, False, distinct)
         # a replica no GPU could take (rare): its slot takes the heaviest piece it lacks
         for s in range(slots_per_node):
-            if local[s] < 0:
+            if local[n, s] < 0:
                 best = -1
                 for e in range(per_node):
-                    if not gpu_holds(local, per_gpu, s // per_gpu, e) and (
-                            best < 0 or w_node[e] / count[e] > w_node[best] / count[best]):
+                    if not gpu_holds(local[n], per_gpu, s // per_gpu, e) and (
+                            best < 0 or w_node[n, e] / counts[n, e] > w_node[n, best] / counts[
+                                n, best]):
                         best = e
-                local[s] = best
-                count[best] += 1
-        refine_equal(w_node, count, per_gpu, gpus_per_node, local, max_swaps)
+                local[n, s] = best
+                counts[n, best] += 1
         for s in range(slots_per_node):
-            row[n * slots_per_node + s] = experts[local[s]]
+            g = s // per_gpu
+            shares[g] = (0.0 if s % per_gpu == 0 else shares[g]) + \
+                w_node[n, local[n, s]] / counts[n, local[n, s]]
+            peak[n] = max(peak[n], shares[g])
+    # swaps only where they can lower the layer's hottest GPU: the hottest node first, then
+    # every node still hotter than the layer's hottest GPU after the swaps so far
+    layer_peak = 0.0
+    for n in np.argsort(-peak, kind="mergesort"):
+        if peak[n] > layer_peak:
+            layer_peak = max(layer_peak, refine_equal(w_node[n], counts[n], per_gpu,
+                                                      gpus_per_node, local[n], max_swaps))
+        for s in range(slots_per_node):
+            row[n * slots_per_node + s] = experts[n, local[n, s]]
 
 
 @kernel
