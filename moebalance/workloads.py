@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._arrays import as_loads
+from ._arrays import as_loads, positive_int
 from .topology import Device, Topology
 
 __all__ = [
@@ -73,12 +73,6 @@ SKEWS: dict[str, Skew] = {
     "moderate": Skew(zipf_exponent=0.3, group_sigma=0.15),
     "heavy": Skew(zipf_exponent=0.6, group_sigma=0.25),
 }
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def _cap_shares(p_LE: np.ndarray, cap: float) -> np.ndarray:
@@ -124,11 +118,11 @@ def synthetic_loads(skew: str | Skew = "moderate", seed: int = 0, *, num_layers:
         raise TypeError(f"skew must be a name from {sorted(SKEWS)} or a Skew, got {type(skew).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-    L = _positive_int(num_layers, "num_layers")
-    E = _positive_int(num_experts, "num_experts")
-    groups = _positive_int(num_groups, "num_groups")
-    K = _positive_int(top_k, "top_k")
-    T = _positive_int(tokens, "tokens")
+    L = positive_int(num_layers, "num_layers")
+    E = positive_int(num_experts, "num_experts")
+    groups = positive_int(num_groups, "num_groups")
+    K = positive_int(top_k, "top_k")
+    T = positive_int(tokens, "tokens")
     if E % groups:
         raise ValueError(f"num_experts ({E}) must be a multiple of num_groups ({groups})")
     if K > E:
@@ -286,7 +280,7 @@ def trace_clusters(num_experts: int) -> tuple[Cluster, Cluster]:
     ``max(4, E // 4)`` devices, 8 to a node (Mixtral's 8 experts: 12 slots on 4 devices). The
     heterogeneous one runs its second half of devices at speed 0.5, with the same slots.
     """
-    E = _positive_int(num_experts, "num_experts")
+    E = positive_int(num_experts, "num_experts")
     G = max(4, E // 4)
     k = max(2, math.ceil(1.25 * E / G))
     per_node = min(G, 8)
