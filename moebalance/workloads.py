@@ -28,8 +28,9 @@ so every layer routes 8192 * 8 = 65,536 (token, expert) pairs per step. For each
    over the ``tokens * top_k`` pairs, so every layer sums exactly to that number.
 
 :func:`drift` jitters loads between two re-plans; :func:`trace_loads` reads a recorded router
-trace shipped with the package. The clusters (:data:`CLUSTERS`, :func:`cluster`) are the device
-layouts the benchmark compares planners on.
+trace shipped with the package, by name (:func:`trace_names`: a tiny Mixtral and a tiny
+Qwen3-MoE, both trained without a balancing loss). The clusters (:data:`CLUSTERS`,
+:func:`cluster`) are the device layouts the benchmark compares planners on.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ._arrays import as_loads, positive_int
 from .topology import Device, Topology
 
 __all__ = [
-    "SKEWS", "Skew", "synthetic_loads", "drift", "trace_path", "trace_loads",
+    "SKEWS", "Skew", "synthetic_loads", "drift", "trace_names", "trace_path", "trace_loads",
     "Cluster", "CLUSTERS", "cluster", "trace_clusters",
 ]
 
@@ -163,6 +164,14 @@ def drift(loads, rel: float, seed: int = 0) -> np.ndarray:
     out = w * factor
     total, new_total = w.sum(axis=1, keepdims=True), out.sum(axis=1, keepdims=True)
     return np.where(new_total > 0, out * (total / np.where(new_total > 0, new_total, 1.0)), w)
+
+
+def trace_names() -> list[str]:
+    """Names of the router traces shipped with the package, sorted: each ``<name>`` has a
+    ``moebalance/data/<name>_trace.npz`` that :func:`trace_loads` reads (``"mixtral"``,
+    ``"qwen3_moe"``; ``benchmarks/record_trace.py --family`` records them)."""
+    folder = trace_path("mixtral").parent
+    return sorted(p.name[:-len("_trace.npz")] for p in folder.glob("*_trace.npz"))
 
 
 def trace_path(name: str = "mixtral") -> Path:
