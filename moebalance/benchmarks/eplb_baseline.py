@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import planning_loads, to_numpy
+from .._arrays import planning_loads, positive_int, to_numpy
 from ..placement import Placement
-from ..planner.eplb import check_arguments, positive_int
+from ..planner.eplb import check_arguments
 from ..topology import Topology
 
 

@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from .._arrays import as_loads, to_numpy
+from .._arrays import as_loads, positive_int, to_numpy
 from ..backends import backend as _choose_backend
 from . import _jit
 from ._jit import kernel
@@ -41,12 +41,6 @@ SWAP_PARTNERS = 8
 
 
 # -- input checks ---------------------------------------------------------------------------------
-
-
-def positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def check_arguments(weight, num_replicas, num_groups, num_nodes, num_gpus
