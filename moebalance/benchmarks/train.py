@@ -79,7 +79,9 @@ def moved_placement(current, fraction: float, rng: np.random.Generator):
                 or eb in row[current.slot_device == da] or ea in row[current.slot_device == db]):
             continue
         row[a], row[b] = eb, ea
-        moved += 2
+        # a swap can undo an earlier one: count the copies the placement really needs
+        moved = int(Placement(phy2log, current.share, current.slot_device,
+                              current.num_experts).moves_from(current))
     return Placement(phy2log, current.share, current.slot_device, current.num_experts).validate()
 
 
