@@ -133,7 +133,8 @@ def test_rebalance_experts_places_forced_duplicates_with_a_warning(args):
     with pytest.warns(UserWarning, match="holds two replicas of one expert"):
         phy2log, log2phy, logcnt = rebalance_experts(*args)
     weight, R, _, _, G = args
-    assert phy2log.shape == (1, R) and log2phy.shape == (1, weight.shape[1], R - weight.shape[1] + 1)
+    E = weight.shape[1]
+    assert phy2log.shape == (1, R) and log2phy.shape == (1, E, R - E + 1)
     np.testing.assert_array_equal(logcnt[0], np.bincount(phy2log[0], minlength=weight.shape[1]))
     base = eplb_baseline(*args)[0]
     assert gpu_balancedness(weight, phy2log, G)[0] >= gpu_balancedness(weight, base, G)[0] - 1e-12

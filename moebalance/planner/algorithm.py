@@ -1144,14 +1144,16 @@ def top_room(room, victim, tiny, need_victim):
 @kernel
 def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, target, budget,
                 max_sweeps):
-    """One repair step on one layer: the move that most lowers :func:`total_excess`.
+    """One repair step on one layer, at most ``budget`` moves, that lowers :func:`total_excess`.
 
-    Single moves: a piece of a device above the target gets a replica on one of the
-    ``RECEIVERS`` devices with the most room below it, in the slot of that device's smallest
-    piece of an expert that has other replicas (its tokens go to them): the share slack of
-    replicated experts. Ranked by an estimate, the best ``MOVE_TRIALS`` are tried with a full
-    share re-balance. Failing that (and with ``allow_swap``), the swap of two pieces between a
-    device above and one below that lowers the excess most. Returns the moves made (0, 1, 2).
+    A move: a piece of a device above the target gets a replica on one of the ``RECEIVERS``
+    devices with the most room below it (among those with such a slot), in the slot of that
+    device's smallest piece of an expert that has other replicas (its tokens go to them): the
+    share slack of replicated experts. First a batch, the best move of every device above the
+    target with one re-balance for all; failing that, single moves, the best ``MOVE_TRIALS``
+    estimates each with a full share re-balance; failing that (budget >= 2), the swap of two
+    pieces between a device above and one below that lowers the excess most. Returns the moves
+    made (0 when nothing lowers the excess).
     """
     E = w.shape[0]
     G = speed.shape[0]
@@ -1172,7 +1174,8 @@ def repair_step(w, speed, slot_offsets, slot_device, phy2log, share, load, targe
             continue
         for s in range(slot_offsets[g], slot_offsets[g + 1]):
             f = phy2log[s]
-            if reps[f] >= 2 and (victim[g] < 0 or w[f] * share[s] < w[phy2log[victim[g]]] * share[victim[g]]):
+            if reps[f] >= 2 and (victim[g] < 0 or w[f] * share[s] < w[phy2log[victim[g]]]
+                                 * share[victim[g]]):
                 victim[g] = s
     # receivers of a replica: the devices with a victim and the most room; partners of a swap:
     # the devices with the most room
