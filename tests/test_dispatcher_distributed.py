@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
-from moebalance.dispatch.dispatcher import EXCHANGES, _auto_exchange
+from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
@@ -419,11 +419,11 @@ def test_every_exchange_is_accepted_and_a_single_process_exchanges_nothing():
 
 
 def test_auto_picks_p2p_on_gloo_and_all_to_all_on_other_backends():
-    assert _auto_exchange("gloo", "cpu") == "p2p"
-    assert _auto_exchange("nccl", "cuda") == "all_to_all"
-    assert _auto_exchange("mpi", "cpu") == "all_to_all"
-    assert _auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
-    assert _auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
+    assert auto_exchange("gloo", "cpu") == "p2p"
+    assert auto_exchange("nccl", "cuda") == "all_to_all"
+    assert auto_exchange("mpi", "cpu") == "all_to_all"
+    assert auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
+    assert auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
 
 
 def test_nodes_must_name_the_node_of_every_rank():
