@@ -54,6 +54,7 @@ import torch.distributed as dist
 from ..placement import Placement
 from .autograd import CombineRows, DispatchRows
 from .buffers import release_buffers
+from .checks import FLOAT_DTYPES
 from .exchange import EXCHANGES, AllToAll, LocalRows, PointToPoint, RowExchange, auto_exchange
 from .kernels import kernels_for
 from .routing import ReplicaTable, replica_flows, replica_table
@@ -63,9 +64,10 @@ __all__ = ["Dispatcher", "DispatchHandle", "EXCHANGES", "release_buffers"]
 
 # Placements whose tables are kept (the current one, the one being migrated to, spares).
 _CACHED_PLACEMENTS = 4
-# Columns of each rank's row in the count exchange after its E counts.
-_BAD_IDS, _BAD_INPUT = 0, 1
-_FLAGS = 2
+# Columns of each rank's row in the count exchange after its E counts: expert ids out of range,
+# malformed inputs, and the width D and dtype of its rows (which every rank must share).
+_BAD_IDS, _BAD_INPUT, _WIDTH, _DTYPE = 0, 1, 2, 3
+_FLAGS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,6 +123,14 @@ class DispatchHandle:
     def recv_splits(self) -> list | None:
         """Rows this rank received from each rank at dispatch ([G] ints; None in one process)."""
         return self.exchange.rows_per_rank(sent=False)
+
+
+_DTYPE_CODES = FLOAT_DTYPES
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The index of ``dtype`` in the float dtypes the kernels take (-1 for any other)."""
+    return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
 
 
 class _LayerState:
@@ -368,12 +378,7 @@ class Dispatcher:
         try:
             self._check_inputs(x_TD, topk_ids_TK, topk_weights_TK)
         except (TypeError, ValueError) as exc:
-            if G > 1:
-                # Join the count exchange with a flag, so that every other rank raises too.
-                row = torch.zeros(E + _FLAGS, dtype=torch.int64, device=self._exchange_device(x_TD))
-                row[E + _BAD_INPUT] = 1
-                self._gather_rows(row)
-            raise exc
+            self.abort(exc, placement, layer, device=self._exchange_device(x_TD))
 
         device = x_TD.device
         kernels = kernels_for(device.type)
@@ -385,7 +390,12 @@ class Dispatcher:
         bad = ((ids_TK < 0) | (ids_TK >= E)).sum().view(1)
         ids_TK = ids_TK.clamp(0, E - 1).contiguous()
         _, place_TK, counts_E = kernels.sort_by_slot(ids_TK, E)
-        rows_GC = self._gather_rows(torch.cat([counts_E, bad, bad.new_zeros(1)]))
+        # Flags filled on the device (a host tensor copied over would sync the stream).
+        flags = counts_E.new_zeros(_FLAGS)
+        flags[_BAD_IDS:_BAD_IDS + 1] = bad
+        flags[_WIDTH] = x_TD.shape[1]
+        flags[_DTYPE] = _dtype_code(x_TD.dtype)
+        rows_GC = self._gather_rows(torch.cat([counts_E, flags]))
         counts_GE = rows_GC[:, :E]
         if layer_state.plan is not None:
             share_EX = resplit_shares(counts_GE.sum(dim=0), table.share_EX, layer_state.plan)
@@ -400,9 +410,7 @@ class Dispatcher:
         # The one host sync of the per-step path.
         host = np.asarray(torch.cat([counts_S, recv_GL.reshape(-1), rows_GC[:, E:].reshape(-1)])
                           .tolist(), dtype=np.int64)
-        flags_GF = host[S + recv_GL.numel():].reshape(G, _FLAGS)
-        self._raise_bad_input(flags_GF[:, _BAD_INPUT].tolist())
-        self._raise_bad_ids(flags_GF[:, _BAD_IDS].tolist(), E)
+        self._raise_on_flags(host[S + recv_GL.numel():].reshape(G, _FLAGS), E)
         counts_S_host = host[:S]
         recv_GL_host = host[S:S + recv_GL.numel()].reshape(G, -1)
 
@@ -423,13 +431,47 @@ class Dispatcher:
             layer=int(layer), rank=self.rank)
         return recv_x_MD, handle
 
-    def _raise_bad_input(self, bad_per_rank: list) -> None:
-        """Raise on a rank whose peers passed malformed inputs (they raised their own error)."""
-        bad_ranks = [g for g, n in enumerate(bad_per_rank) if n]
+    def abort(self, error: BaseException, placement: Placement, layer: int, *,
+              device: torch.device | str | None = None):
+        """Raise ``error`` here and a ValueError on every other rank of the group.
+
+        For a rank that cannot dispatch (bad input found before ``dispatch``, e.g. by the MoE
+        layer): it joins the count exchange the other ranks are in, with a flag, so that they
+        raise instead of waiting for it until the process group's timeout.
+
+        Args:
+            error: the exception to raise on this rank.
+            placement, layer: those of the dispatch the other ranks are running.
+            device: where the count exchange runs (the rows' device; default CPU, or the
+                current CUDA device on an NCCL group).
+        """
+        if not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception, got {type(error).__name__}")
+        if self.world_size > 1:
+            E = self._state(placement, layer).placement.num_experts
+            row = torch.zeros(E + _FLAGS, dtype=torch.int64,
+                              device=self._exchange_device(None) if device is None else device)
+            row[E + _BAD_INPUT] = 1
+            self._gather_rows(row)
+        raise error
+
+    def _raise_on_flags(self, flags_GF: np.ndarray, num_experts: int) -> None:
+        """Raise on every rank if any rank flagged bad input, expert ids out of range, or rows
+        of another width or dtype than the others (``flags_GF`` [G, 4] host ints)."""
+        bad_ranks = np.flatnonzero(flags_GF[:, _BAD_INPUT]).tolist()
         if bad_ranks:
             raise ValueError(f"rank(s) {bad_ranks} passed malformed x_TD / topk_ids_TK / "
                              f"topk_weights_TK to dispatch (their error names the argument); "
                              f"every rank of the group stops this dispatch")
+        for column, what in ((_WIDTH, "width D"), (_DTYPE, "dtype")):
+            values = flags_GF[:, column]
+            if np.any(values != values[0]):
+                shown = (values.tolist() if column == _WIDTH
+                         else [str(_DTYPE_CODES[v]) if v >= 0 else "other" for v in values])
+                raise ValueError(f"the ranks of the group passed x_TD rows of different {what} "
+                                 f"(rank by rank: {shown}); every rank must dispatch rows of one "
+                                 f"width and dtype")
+        self._raise_bad_ids(flags_GF[:, _BAD_IDS].tolist(), num_experts)
 
     def _raise_bad_ids(self, bad_per_rank: list, num_experts: int) -> None:
         """Raise on every rank if any rank's ids were out of range (``bad_per_rank`` [G])."""

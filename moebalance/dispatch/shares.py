@@ -82,7 +82,7 @@ def resplit_plan(table: ReplicaTable, speed_G, device=None) -> ResplitPlan:
         speed_G: [G] positive speeds of the devices (array-like).
         device: where the plan's tensors live (default CPU).
     """
-    speed = np.asarray(speed_G, dtype=np.float64)
+    speed = np.array(speed_G, dtype=np.float64)
     if speed.ndim != 1 or not np.all(np.isfinite(speed)) or not np.all(speed > 0):
         raise ValueError(f"speed_G must be a 1-D array of finite speeds > 0, got {speed_G!r}")
     device_EX = table.device_EX.cpu().numpy()
