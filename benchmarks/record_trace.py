@@ -1,12 +1,19 @@
-"""Record a real expert-load trace: train a tiny Mixtral on Python source and count its routing.
+"""Record a real expert-load trace: train a tiny transformers MoE on Python source and count its routing.
 
-A byte-level transformers Mixtral (16 experts, top-2, no auxiliary balancing loss) is trained
-with AdamW on the ``.py`` files of the Python standard library (present on every machine,
-read in sorted order). :func:`moebalance.attach` hooks its routers; after every optimizer step
-the step's per-expert token counts are kept. Without a balancing loss the routers drift toward
-favourite experts, which is the skew a load balancer has to absorb.
+A byte-level transformers MoE model with no auxiliary balancing loss is trained with AdamW on
+the ``.py`` files of the Python standard library (present on every machine, read in sorted
+order). :func:`moebalance.attach` hooks its routers; after every optimizer step the step's
+per-expert token counts are kept. Without a balancing loss the routers drift toward favourite
+experts, which is the skew a load balancer has to absorb.
 
-Output (``--out``, default ``moebalance/data/mixtral_trace.npz``):
+Model families (``--family``), each 16 experts in 4 layers by default:
+
+* ``mixtral`` (default): Mixtral, top-2 of 16 experts of hidden size 128.
+* ``qwen3_moe``: Qwen3-MoE, finer experts as in the Qwen3 models: top-4 of 16 experts of hidden
+  size 64 (the same active expert width as the Mixtral default), top-k weights renormalised.
+* ``olmoe``: OLMoE, top-4 of 16 experts of hidden size 64, top-k weights not renormalised.
+
+Output (``--out``, default ``moebalance/data/<family>_trace.npz``):
 
 * ``counts``: int32 [steps, L, E] tokens routed to each expert in each MoE layer per step
   (each token counts once per chosen expert, so a step's row sums to tokens_per_step * top_k);
@@ -15,7 +22,8 @@ Output (``--out``, default ``moebalance/data/mixtral_trace.npz``):
 
 Usage::
 
-    python benchmarks/record_trace.py                  # 300 steps, writes the shipped trace
+    python benchmarks/record_trace.py                  # 300 steps, writes the shipped Mixtral trace
+    python benchmarks/record_trace.py --family qwen3_moe   # the shipped Qwen3-MoE trace
     python benchmarks/record_trace.py --quick          # 20 steps, prints the table, writes nothing
     python benchmarks/record_trace.py --steps 500 --seed 1 --out /tmp/trace.npz
 """
@@ -29,13 +37,14 @@ import platform
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import moebalance as mb
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "moebalance" / "data" / "mixtral_trace.npz"
+DATA = pathlib.Path(__file__).resolve().parent.parent / "moebalance" / "data"
 VOCAB = 256  # bytes
 # Statistics of "start" and "end" average this many steps.
 EDGE_STEPS = 10
@@ -56,17 +65,49 @@ def stdlib_corpus() -> tuple[np.ndarray, int]:
     return np.frombuffer(data, dtype=np.uint8), len(files)
 
 
+@dataclass(frozen=True)
+class Family:
+    """A transformers MoE family: its config class, the config fields for the expert count and
+    the expert hidden size, its defaults, and settings of its own (top-k renormalisation)."""
+
+    config_class: str
+    experts_field: str
+    expert_hidden_field: str
+    top_k: int
+    expert_hidden: int
+    extra: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "mixtral": Family("MixtralConfig", "num_local_experts", "intermediate_size", top_k=2,
+                      expert_hidden=128, extra={"router_jitter_noise": 0.0}),
+    # Every layer sparse (no dense MLP layers), so intermediate_size, the dense MLP width, is unused.
+    "qwen3_moe": Family("Qwen3MoeConfig", "num_experts", "moe_intermediate_size", top_k=4,
+                        expert_hidden=64, extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
+                                                 "mlp_only_layers": [], "use_sliding_window": False}),
+    "olmoe": Family("OlmoeConfig", "num_experts", "intermediate_size", top_k=4, expert_hidden=64,
+                    extra={"norm_topk_prob": False}),
+}
+
+
+def model_config(args) -> dict:
+    """The config fields of the model ``args`` describe (JSON-ready, recorded in the trace)."""
+    family = FAMILIES[args.family]
+    return {
+        "vocab_size": VOCAB, "hidden_size": args.hidden, family.expert_hidden_field: args.expert_hidden,
+        "num_hidden_layers": args.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": args.seq, family.experts_field: args.experts,
+        "num_experts_per_tok": args.top_k, "router_aux_loss_coef": 0.0,
+        "output_router_logits": False, **family.extra,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
 def build_model(args):
     import transformers as tf
 
-    config = tf.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.expert_hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=args.seq, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
-        router_aux_loss_coef=0.0, output_router_logits=False, router_jitter_noise=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
+    config = getattr(tf, FAMILIES[args.family].config_class)(**model_config(args))
     return tf.AutoModelForCausalLM.from_config(config), config
 
 
@@ -79,25 +120,32 @@ def skew(counts_SLE: np.ndarray) -> np.ndarray:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="mixtral",
+                        help="transformers MoE family to train (default mixtral)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help=f"where to write the trace (default {DEFAULT_OUT.name} in moebalance/data; "
-                             f"--quick writes nothing unless --out is given)")
+                        help="where to write the trace (default <family>_trace.npz in moebalance/data; "
+                             "--quick writes nothing unless --out is given)")
     parser.add_argument("--quick", action="store_true", help="20 steps, for a smoke test")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--expert-hidden", type=int, default=128)
+    parser.add_argument("--expert-hidden", type=int, default=None,
+                        help="hidden size of each expert (default: the family's, 128 or 64)")
     parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="experts per token (default: the family's, 2 or 4)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps = 20
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    family = FAMILIES[args.family]
+    args.top_k = family.top_k if args.top_k is None else args.top_k
+    args.expert_hidden = family.expert_hidden if args.expert_hidden is None else args.expert_hidden
+    out = args.out if args.out is not None else (None if args.quick else DATA / f"{args.family}_trace.npz")
     for name in ("steps", "batch", "seq", "layers", "hidden", "expert_hidden", "experts", "top_k", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -150,11 +198,9 @@ def main(argv=None) -> int:
     if out is None:
         return 0
     meta = {
-        "model": "MixtralForCausalLM (transformers), random init, byte-level vocabulary",
-        "config": {"vocab_size": VOCAB, "hidden_size": args.hidden, "intermediate_size": args.expert_hidden,
-                   "num_hidden_layers": args.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "num_local_experts": args.experts, "num_experts_per_tok": args.top_k,
-                   "router_aux_loss_coef": 0.0, "output_router_logits": False},
+        "model": f"{type(model).__name__} (transformers), random init, byte-level vocabulary",
+        "family": args.family,
+        "config": model_config(args),
         "layer_names": tracker.layer_names,
         "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1,
                       "warmup_steps": warmup, "grad_clip": 1.0},

@@ -1,6 +1,6 @@
 """moebalance: keep the experts of a Mixture-of-Experts model evenly loaded across unlike GPUs."""
 
-from .backends import backends, force_backend, using_backend, warm_up
+from .backends import backends, force_backend, using_backend
 from .metrics import balancedness, imbalance, summary_imbalance
 from .placement import Placement
 from .topology import Device, Topology
@@ -20,5 +20,6 @@ __all__ = [
 ]
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
+from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
 
 __all__ += ["plan", "rebalance_experts"]

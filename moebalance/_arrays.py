@@ -1,8 +1,22 @@
-"""Conversion and checking of user-supplied arrays at the public boundary."""
+"""Conversion and checking of user-supplied values at the public boundary: arrays of loads and
+the counts (layers, experts, tokens, ...) that size them."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int after checking that it is an integer >= 1 (bools are not).
+
+    Raises TypeError for anything but a Python or numpy integer, ValueError below 1; both name
+    ``name``. For integers typed on a command line, see :mod:`moebalance.cli_args`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def to_numpy(x, name: str) -> np.ndarray:

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._arrays import positive_int
+
 # Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
 ROUTER_CHILD_NAMES = ("gate", "router")
 # Config fields that hold the number of routed experts, by model family.
@@ -121,11 +123,11 @@ class LoadTracker:
 
     def __init__(self, num_layers: int, num_experts: int, *, window: int | None = None,
                  ema: float | None = None, device=None, check: bool = False):
-        self.num_layers = _positive_int(num_layers, "num_layers")
-        self.num_experts = _positive_int(num_experts, "num_experts")
+        self.num_layers = positive_int(num_layers, "num_layers")
+        self.num_experts = positive_int(num_experts, "num_experts")
         if window is not None and ema is not None:
             raise ValueError("pass window or ema, not both: a tracker keeps one view of the load")
-        self.window = None if window is None else _positive_int(window, "window")
+        self.window = None if window is None else positive_int(window, "window")
         if ema is not None:
             if isinstance(ema, bool) or not isinstance(ema, (int, float, np.floating, np.integer)):
                 raise TypeError(f"ema must be a float in [0, 1), got {type(ema).__name__}")
@@ -495,10 +497,3 @@ def _make_hook(tracker: LoadTracker, layer: int, name: str):
         tracker.record(layer, output[2])
 
     return record_router_choice
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)

@@ -28,8 +28,9 @@ so every layer routes 8192 * 8 = 65,536 (token, expert) pairs per step. For each
    over the ``tokens * top_k`` pairs, so every layer sums exactly to that number.
 
 :func:`drift` jitters loads between two re-plans; :func:`trace_loads` reads a recorded router
-trace shipped with the package. The clusters (:data:`CLUSTERS`, :func:`cluster`) are the device
-layouts the benchmark compares planners on.
+trace shipped with the package, by name (:func:`trace_names`: a tiny Mixtral and a tiny
+Qwen3-MoE, both trained without a balancing loss). The clusters (:data:`CLUSTERS`,
+:func:`cluster`) are the device layouts the benchmark compares planners on.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ._arrays import as_loads
+from ._arrays import as_loads, positive_int
 from .topology import Device, Topology
 
 __all__ = [
-    "SKEWS", "Skew", "synthetic_loads", "drift", "trace_path", "trace_loads",
+    "SKEWS", "Skew", "synthetic_loads", "drift", "trace_names", "trace_path", "trace_loads",
     "Cluster", "CLUSTERS", "cluster", "trace_clusters",
 ]
 
@@ -73,12 +74,6 @@ SKEWS: dict[str, Skew] = {
     "moderate": Skew(zipf_exponent=0.3, group_sigma=0.15),
     "heavy": Skew(zipf_exponent=0.6, group_sigma=0.25),
 }
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def _cap_shares(p_LE: np.ndarray, cap: float) -> np.ndarray:
@@ -124,11 +119,11 @@ def synthetic_loads(skew: str | Skew = "moderate", seed: int = 0, *, num_layers:
         raise TypeError(f"skew must be a name from {sorted(SKEWS)} or a Skew, got {type(skew).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-    L = _positive_int(num_layers, "num_layers")
-    E = _positive_int(num_experts, "num_experts")
-    groups = _positive_int(num_groups, "num_groups")
-    K = _positive_int(top_k, "top_k")
-    T = _positive_int(tokens, "tokens")
+    L = positive_int(num_layers, "num_layers")
+    E = positive_int(num_experts, "num_experts")
+    groups = positive_int(num_groups, "num_groups")
+    K = positive_int(top_k, "top_k")
+    T = positive_int(tokens, "tokens")
     if E % groups:
         raise ValueError(f"num_experts ({E}) must be a multiple of num_groups ({groups})")
     if K > E:
@@ -169,6 +164,14 @@ def drift(loads, rel: float, seed: int = 0) -> np.ndarray:
     out = w * factor
     total, new_total = w.sum(axis=1, keepdims=True), out.sum(axis=1, keepdims=True)
     return np.where(new_total > 0, out * (total / np.where(new_total > 0, new_total, 1.0)), w)
+
+
+def trace_names() -> list[str]:
+    """Names of the router traces shipped with the package, sorted: each ``<name>`` has a
+    ``moebalance/data/<name>_trace.npz`` that :func:`trace_loads` reads (``"mixtral"``,
+    ``"qwen3_moe"``; ``benchmarks/record_trace.py --family`` records them)."""
+    folder = trace_path("mixtral").parent
+    return sorted(p.name[:-len("_trace.npz")] for p in folder.glob("*_trace.npz"))
 
 
 def trace_path(name: str = "mixtral") -> Path:
@@ -286,7 +289,7 @@ def trace_clusters(num_experts: int) -> tuple[Cluster, Cluster]:
     ``max(4, E // 4)`` devices, 8 to a node (Mixtral's 8 experts: 12 slots on 4 devices). The
     heterogeneous one runs its second half of devices at speed 0.5, with the same slots.
     """
-    E = _positive_int(num_experts, "num_experts")
+    E = positive_int(num_experts, "num_experts")
     G = max(4, E // 4)
     k = max(2, math.ceil(1.25 * E / G))
     per_node = min(G, 8)

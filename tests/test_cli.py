@@ -12,6 +12,7 @@ import pytest
 
 from moebalance import Placement, Topology, cli, imbalance, summary_imbalance
 from moebalance.benchmarks import planner as bench
+from moebalance.benchmarks import report
 from moebalance.workloads import SKEWS
 
 
@@ -130,9 +131,9 @@ def test_bench_trace_workload_without_a_trace_is_a_usage_error(capsys, tmp_path)
 
 def test_text_and_markdown_tables_line_up():
     cells = [["a", "1.000", "12.5"], ["longer name", "10.250", "3.0"]]
-    text = bench.format_text(("name", "x", "ms"), cells).splitlines()
+    text = report.format_text(("name", "x", "ms"), cells).splitlines()
     assert len({len(line) for line in text}) == 1  # numbers right-aligned to one width
-    md = bench.format_markdown(("name", "x", "ms"), cells).splitlines()
+    md = report.format_markdown(("name", "x", "ms"), cells).splitlines()
     assert md[1] == "|---|---:|---:|" and md[2] == "| a | 1.000 | 12.5 |"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from moebalance import Topology, workloads
 from moebalance.workloads import (CLUSTERS, SKEWS, Skew, cluster, drift, synthetic_loads,
-                                  trace_clusters, trace_loads)
+                                  trace_clusters, trace_loads, trace_names)
 
 SMALL = dict(num_layers=6, num_experts=64, num_groups=8, top_k=4, tokens=2048)
 
@@ -156,6 +156,33 @@ def test_trace_loads_rejects_a_file_without_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(workloads, "trace_path", lambda name: tmp_path / f"{name}_trace.npz")
     with pytest.raises(ValueError, match="counts"):
         trace_loads("bad")
+
+
+def test_two_model_families_ship_a_trace():
+    assert {"mixtral", "qwen3_moe"} <= set(trace_names())
+
+
+@pytest.mark.parametrize("name, model, experts_field", [
+    ("mixtral", "MixtralForCausalLM", "num_local_experts"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "num_experts"),
+])
+def test_shipped_trace_counts_every_routed_token_once_per_step(name, model, experts_field):
+    counts, meta = trace_loads(name)
+    config = meta["config"]
+    assert meta["model"].startswith(model)
+    assert counts.shape == (meta["steps"], config["num_hidden_layers"], config[experts_field])
+    # every token of a step is routed to top-k experts in every layer
+    np.testing.assert_array_equal(counts.sum(axis=2),
+                                  meta["tokens_per_step"] * config["num_experts_per_tok"])
+    assert config["router_aux_loss_coef"] == 0.0
+
+
+def test_qwen3_moe_trace_is_a_different_routing_from_mixtral():
+    mixtral, mixtral_meta = trace_loads("mixtral")
+    qwen, qwen_meta = trace_loads("qwen3_moe")
+    assert qwen_meta["family"] == "qwen3_moe" and qwen_meta["config"]["norm_topk_prob"] is True
+    assert qwen_meta["config"]["num_experts_per_tok"] != mixtral_meta["config"]["num_experts_per_tok"]
+    assert mixtral.shape[1:] == qwen.shape[1:] and not np.array_equal(mixtral, qwen)
 
 
 def test_trace_name_must_be_a_plain_name():

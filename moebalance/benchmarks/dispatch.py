@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..backends import has_cupy_gpu, has_numba
-from ..cli import ArgumentParser, UsageError, positive_int, run_guarded
-from .planner import format_markdown, format_text, machine_info
+from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
+from .report import format_markdown, format_text, machine_info
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
@@ -309,22 +309,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated subset of cpu,dist,gpu (default: all; gpu runs only "
                              "with CuPy and a CUDA GPU)")
-    parser.add_argument("--tokens", type=positive_int, default=None,
+    parser.add_argument("--tokens", type=positive_int_arg, default=None,
                         help=f"T of the kernel sections (default {FULL['tokens']})")
-    parser.add_argument("--hidden", type=positive_int, default=None,
+    parser.add_argument("--hidden", type=positive_int_arg, default=None,
                         help=f"D of the kernel sections (default {FULL['hidden']})")
-    parser.add_argument("--top-k", type=positive_int, default=None,
+    parser.add_argument("--top-k", type=positive_int_arg, default=None,
                         help=f"K, routed experts per token (default {FULL['top_k']})")
-    parser.add_argument("--slots", type=positive_int, default=None,
+    parser.add_argument("--slots", type=positive_int_arg, default=None,
                         help=f"S, slots the kernel sections sort into (default {FULL['slots']})")
-    parser.add_argument("--repeats", type=positive_int, default=None,
+    parser.add_argument("--repeats", type=positive_int_arg, default=None,
                         help=f"timed rounds, median reported (default {FULL['repeats']})")
-    parser.add_argument("--ranks", type=positive_int, default=4,
+    parser.add_argument("--ranks", type=positive_int_arg, default=4,
                         help="gloo ranks of the distributed section (default 4)")
-    parser.add_argument("--dist-tokens", type=positive_int, default=None,
+    parser.add_argument("--dist-tokens", type=positive_int_arg, default=None,
                         help=f"tokens per rank in the distributed section "
                              f"(default {FULL['dist_tokens']})")
-    parser.add_argument("--dist-hidden", type=positive_int, default=None,
+    parser.add_argument("--dist-hidden", type=positive_int_arg, default=None,
                         help=f"D in the distributed section (default {FULL['dist_hidden']})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--out", default=os.path.join("bench-out", "dispatch"), metavar="DIR",

@@ -31,12 +31,7 @@ Writes ``results.json`` (rows, machine, versions, command line), ``summary.md`` 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import importlib.metadata
 import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import textwrap
@@ -49,11 +44,12 @@ import numpy as np
 
 from .. import workloads
 from ..backends import backend, has_numba
-from ..cli import ArgumentParser, UsageError, nonneg_int, positive_int, run_guarded
+from ..cli_args import ArgumentParser, UsageError, nonneg_int_arg, positive_int_arg, run_guarded
 from ..metrics import balancedness, imbalance, summary_imbalance
 from ..placement import Placement
 from ..planner import eplb, plan
 from ..topology import Topology
+from .report import format_markdown, format_text, machine_info
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")
@@ -342,67 +338,6 @@ def dropin_cells(dropins: Sequence[dict]) -> list[list[str]]:
             for d in dropins]
 
 
-def _is_number(text: str) -> bool:
-    return text.rstrip("x%").replace(".", "", 1).replace("-", "", 1).isdigit()
-
-
-def format_text(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """Plain-text table, numbers right-aligned."""
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    numeric = [bool(cells) and _is_number(cells[0][i]) for i in range(len(columns))]
-
-    def line(items: Sequence[str]) -> str:
-        return "  ".join(x.rjust(w) if right else x.ljust(w)
-                         for x, w, right in zip(items, widths, numeric)).rstrip()
-
-    return "\n".join([line(columns), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
-
-
-def format_markdown(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    head = "| " + " | ".join(columns) + " |"
-    rule = "|" + "|".join("---:" if _is_number(cells[0][i]) else "---"
-                          for i in range(len(columns))) + "|" if cells else ""
-    return "\n".join([head, rule] + ["| " + " | ".join(r) + " |" for r in cells])
-
-
-def _version_of(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def machine_info(argv: Sequence[str]) -> dict:
-    """CPU, cores, versions and the command line, for the record."""
-    from .. import __version__, backends
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for text in f:
-                if text.startswith("model name"):
-                    cpu = text.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass  # not Linux: platform's answer stands
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "cores_usable": affinity,
-        "threads_used": 1,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": _version_of("numba"),
-        "torch": _version_of("torch"),
-        "moebalance": __version__,
-        "backends": backends(),
-        "command": " ".join(shlex.quote(a) for a in argv),
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def machine_lines(info: dict) -> list[str]:
     return [
         f"machine: {info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), "
@@ -463,16 +398,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a fast run: {QUICK['num_layers']} layers, {QUICK['repeats']} repeats, "
                              f"{QUICK['drift_steps']} drift steps")
-    parser.add_argument("--repeats", type=positive_int, default=None,
+    parser.add_argument("--repeats", type=positive_int_arg, default=None,
                         help=f"timed calls per method and case (default {FULL['repeats']}, "
                              f"--quick {QUICK['repeats']})")
-    parser.add_argument("--layers", type=positive_int, default=None,
+    parser.add_argument("--layers", type=positive_int_arg, default=None,
                         help=f"MoE layers of the synthetic model (default {FULL['num_layers']}, "
                              f"--quick {QUICK['num_layers']})")
-    parser.add_argument("--drift-steps", type=positive_int, default=None,
+    parser.add_argument("--drift-steps", type=positive_int_arg, default=None,
                         help=f"re-plans per drift sequence (default {FULL['drift_steps']}, "
                              f"--quick {QUICK['drift_steps']})")
-    parser.add_argument("--seed", type=nonneg_int, default=0, help="seed of the synthetic loads")
+    parser.add_argument("--seed", type=nonneg_int_arg, default=0, help="seed of the synthetic loads")
     parser.add_argument("--workload", choices=("synthetic", "trace", "all"), default="all",
                         help="synthetic loads, the shipped router trace, or both (default: all; "
                              "the trace is skipped with a note when none ships)")

@@ -1,0 +1,206 @@
+"""What every ``moebalance`` command line shares: its parser, its error path, argument types and
+the readers of the files users point it at (loads, topologies, placements).
+
+Used by :mod:`moebalance.cli` and by the benchmark scripts of :mod:`moebalance.benchmarks`, which
+run both as ``moebalance bench`` and on their own; it imports nothing above the data types it
+reads. Mistakes in what the user typed or pointed at raise :class:`UsageError`, which
+:func:`run_guarded` prints as one line (exit status 2).
+
+Argument types (``*_arg``) parse the text of a command-line flag and raise
+``argparse.ArgumentTypeError`` (argparse names the flag); :func:`moebalance._arrays.positive_int`
+checks a Python value handed to a public function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn
+
+import numpy as np
+
+from . import workloads
+from ._arrays import as_loads
+from .placement import Placement
+from .topology import Device, Topology
+
+LOAD_SUFFIXES = (".npy", ".npz", ".pt", ".pth")
+
+
+class UsageError(Exception):
+    """Bad user input: reported as one line and exit status 2, without a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr (plus exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def run_guarded(fn: Callable[[], int], prog: str = "moebalance") -> int:
+    """Run ``fn``; turn a UsageError into a one-line message and status 2."""
+    try:
+        return fn()
+    except UsageError as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
+        return 2
+
+
+# -- argument types (argparse names the flag in its message) --------------------------------------
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonneg_int_arg(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_float_arg(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not np.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+# -- reading user files ---------------------------------------------------------------------------
+
+
+def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.ndarray:
+    """Per-expert loads [L, E] float64 from a .npy, .npz or .pt file.
+
+    An .npz or a .pt holding a dict gives the array under ``key`` (default: ``loads``, or its only
+    array). Per-step counts [steps, L, E] are averaged over the steps.
+    """
+    p = Path(path)
+    if p.suffix not in LOAD_SUFFIXES:
+        raise UsageError(f"{flag} must be a {', '.join(LOAD_SUFFIXES)} file, got {path!r}")
+    if not p.is_file():
+        raise UsageError(f"{flag}: no such file {path!r}")
+    try:
+        if p.suffix == ".npy":
+            arr = np.load(p, allow_pickle=False)
+        elif p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as data:
+                arr = data[_pick_key(list(data.keys()), key, flag, path)]
+        else:
+            import torch
+
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            if isinstance(obj, dict):
+                obj = obj[_pick_key(list(obj.keys()), key, flag, path)]
+            if not isinstance(obj, torch.Tensor):
+                raise UsageError(f"{flag}: {path!r} holds a {type(obj).__name__}, not a tensor of loads")
+            arr = obj.detach().to(torch.float64).numpy()
+    except UsageError:
+        raise
+    except Exception as exc:  # any unreadable file is the user's to fix; say which and why
+        raise UsageError(f"{flag}: cannot read {path!r}: {exc}") from None
+    arr = np.asarray(arr)
+    if arr.ndim == 3:
+        arr = arr.mean(axis=0)
+    try:
+        return as_loads(arr, flag)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _pick_key(keys: list, key: str | None, flag: str, path: str) -> str:
+    if key is not None:
+        if key not in keys:
+            raise UsageError(f"--key: {path!r} has no array {key!r}; it has {sorted(map(str, keys))}")
+        return key
+    if "loads" in keys:
+        return "loads"
+    if len(keys) == 1:
+        return keys[0]
+    raise UsageError(f"{flag}: {path!r} holds {sorted(map(str, keys))}; name the loads with --key")
+
+
+def read_topology_file(path: str):
+    """A Topology from JSON: ``{"speed": [...], "slots": [...], "node": [...]}`` (node optional)
+    or ``{"devices": [{"speed": 1.0, "slots": 4, "node": 0}, ...]}``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--topology: cannot read {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--topology: {path!r} is not valid JSON: {exc}") from None
+    try:
+        if isinstance(data, dict) and "devices" in data:
+            return Topology([Device(**d) for d in data["devices"]])
+        if isinstance(data, dict) and "speed" in data and "slots" in data:
+            return Topology.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--topology: {path!r}: {exc}") from None
+    raise UsageError(f"--topology: {path!r} must hold {{\"speed\": [...], \"slots\": [...], "
+                     f"\"node\": [...]}} or {{\"devices\": [{{\"speed\": ..., \"slots\": ..., "
+                     f"\"node\": ...}}, ...]}}")
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("topology (one of --devices, --topology, --cluster)")
+    group.add_argument("--devices", type=positive_int_arg, metavar="N", help="N identical devices")
+    group.add_argument("--slots", type=positive_int_arg, metavar="K", help="expert slots per device")
+    group.add_argument("--devices-per-node", type=positive_int_arg, metavar="M",
+                       help="devices per node (default: all on one node)")
+    group.add_argument("--speed", type=positive_float_arg, default=1.0, metavar="F",
+                       help="speed of every device (default 1.0; only ratios matter)")
+    group.add_argument("--topology", metavar="FILE",
+                       help='JSON: {"speed": [...], "slots": [...], "node": [...]}')
+    group.add_argument("--cluster", metavar="NAME",
+                       help="a built-in cluster: homogeneous-320, homogeneous-288, uneven-288, "
+                            "heterogeneous")
+
+
+def topology_from_args(args: argparse.Namespace, required: bool = True):
+    """The Topology the flags describe, or None when none is given and ``required`` is False."""
+    given = [flag for flag, value in (("--devices", args.devices), ("--topology", args.topology),
+                                      ("--cluster", args.cluster)) if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"give one of --devices, --topology or --cluster, not {' and '.join(given)}")
+    if args.devices is None and (args.slots is not None or args.devices_per_node is not None):
+        raise UsageError("--slots and --devices-per-node need --devices")
+    if not given:
+        if required:
+            raise UsageError("describe the devices: --devices N --slots K, --topology FILE or "
+                             "--cluster NAME")
+        return None
+    if args.topology is not None:
+        return read_topology_file(args.topology)
+    if args.cluster is not None:
+        if args.cluster not in workloads.CLUSTERS:
+            raise UsageError(f"--cluster must be one of {sorted(workloads.CLUSTERS)}, got {args.cluster!r}")
+        return workloads.cluster(args.cluster).topology()
+    if args.slots is None:
+        raise UsageError("--devices needs --slots K (expert slots per device)")
+    return Topology.uniform(args.devices, args.slots, args.devices_per_node, speed=args.speed)
+
+
+def read_placement(path: str, flag: str = "PLACEMENT"):
+    if not Path(path).is_file():
+        raise UsageError(f"{flag}: no such file {path!r}")
+    try:
+        return Placement.load(path)
+    except Exception as exc:  # a corrupt or foreign file: report it, don't trace it back
+        raise UsageError(f"{flag}: {path!r} is not a saved moebalance placement ({exc})") from None

@@ -1,0 +1,76 @@
+"""Run a function on every rank of a gloo (or NCCL) group: under torchrun, or spawned here.
+
+Examples and benchmarks run both ways::
+
+    python examples/X.py                                        # spawns the ranks itself
+    torchrun --standalone --nproc-per-node 4 examples/X.py      # one process per rank
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 examples/X.py
+
+:func:`launch` tells the two apart by the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``): under torchrun it joins the process group from it and runs ``fn`` in this
+process; otherwise it spawns ``world_size`` processes that meet on a free local port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["launch", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher) started this process as one rank."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
+         threads: int | None, fn: Callable, args: tuple):
+    if threads is not None:
+        torch.set_num_threads(threads)
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if init_method is None:
+        dist.init_process_group(backend, **kwargs)            # env:// from torchrun
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, **kwargs)
+    try:
+        return fn(dist.get_rank(), dist.get_world_size(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str = "gloo",
+           timeout_s: float = 300.0, threads: int | None = 1) -> None:
+    """Call ``fn(rank, world_size, *args)`` on every rank with the default group initialised.
+
+    Args:
+        fn: a module-level function (it is pickled by reference when spawned).
+        world_size: ranks to spawn when not under torchrun (under torchrun its world size wins).
+        args: extra positional arguments for ``fn``.
+        backend: "gloo" (CPUs) or "nccl" (one GPU per rank).
+        timeout_s: collective timeout, so a rank waiting on a dead peer fails instead of hanging.
+        threads: torch threads per rank (ranks sharing a few cores starve each other with more);
+            None leaves torch's default.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if under_torchrun():
+        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, timeout_s,
+             threads, fn, args)
+        return
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_run, args=(world_size, init, backend, timeout_s, threads, fn, args),
+             nprocs=world_size, join=True)
