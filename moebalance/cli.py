@@ -2,6 +2,7 @@
 
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
+    moebalance bench resplit ...                      per-step re-split benchmark
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--loads LOADS] [--topology FILE | ...]
 
@@ -14,6 +15,7 @@ The parser, argument types and file readers it shares with the benchmark scripts
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -117,17 +119,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return planner.run(args)
 
 
-def run_dispatch_bench(argv: Sequence[str]) -> int:
-    """``moebalance bench dispatch ...``: hand the rest of the line to the dispatch benchmark."""
+def run_sub_bench(name: str, argv: Sequence[str]) -> int:
+    """``moebalance bench <name> ...`` (dispatch, resplit): hand the rest of the line to the
+    benchmark module ``moebalance.benchmarks.<name>``."""
+    module_name = f"moebalance.benchmarks.{name}"
     try:
-        from .benchmarks import dispatch
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != "moebalance.benchmarks.dispatch":
+        if exc.name != module_name:
             raise
-        print("moebalance bench: error: the dispatch benchmark (moebalance.benchmarks.dispatch) "
-              "is not part of this installation", file=sys.stderr)
+        print(f"moebalance bench: error: the {name} benchmark ({module_name}) is not part of "
+              f"this installation", file=sys.stderr)
         return 2
-    return int(dispatch.main(list(argv)) or 0)
+    return int(module.main(list(argv)) or 0)
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -145,9 +149,11 @@ def build_parser() -> ArgumentParser:
                                 parser_class=ArgumentParser)
 
     bench = sub.add_parser("bench", help="planner benchmark against EPLB (default); "
-                                         "'bench dispatch --help' for the dispatch benchmark",
+                                         "'bench dispatch --help' / 'bench resplit --help' for "
+                                         "the dispatch and re-split benchmarks",
                            description=planner.DESCRIPTION
-                           + " 'moebalance bench dispatch ...' runs the dispatch benchmark.")
+                           + " 'moebalance bench dispatch ...' runs the dispatch benchmark, "
+                             "'moebalance bench resplit ...' the per-step re-split benchmark.")
     planner.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -181,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["bench", *argv]  # bench is the default command
-    if argv[:2] == ["bench", "dispatch"]:
-        return run_dispatch_bench(argv[2:])
+    if argv[:2] in (["bench", "dispatch"], ["bench", "resplit"]):
+        return run_sub_bench(argv[1], argv[2:])
     if argv[:2] == ["bench", "planner"]:
         argv = ["bench", *argv[2:]]
     args = build_parser().parse_args(argv)

@@ -8,13 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.optimize import linprog
 from strategies import placement_cases
 
 from moebalance import Placement
 from moebalance.dispatch.routing import replica_table
 from moebalance.dispatch.shares import (RESPLIT_SWEEPS, _colour_classes, device_loads,
-                                        resplit_plan, resplit_shares)
+                                        optimal_max_time, resplit_plan, resplit_shares)
 from moebalance.planner import _jit
 
 
@@ -24,23 +23,6 @@ def _slot_shares(table, share_EX: torch.Tensor, num_slots: int) -> np.ndarray:
     out = np.zeros(num_slots)
     out[table.slots_EX.numpy()[valid]] = share_EX.numpy()[valid]
     return out
-
-
-def _lp_max_time(w_E, placement: Placement, layer: int, speed_G) -> float:
-    """min over shares of max_g load_g / speed_g: variables x_s >= 0 (pairs to slot s) and t."""
-    phy2log, device = placement.phy2log[layer], placement.slot_device
-    S, G, E = placement.num_slots, len(speed_G), placement.num_experts
-    c = np.zeros(S + 1)
-    c[-1] = 1.0
-    a_eq = np.zeros((E, S + 1))
-    a_eq[phy2log, np.arange(S)] = 1.0
-    a_ub = np.zeros((G, S + 1))
-    a_ub[device, np.arange(S)] = 1.0
-    a_ub[:, -1] = -np.asarray(speed_G)
-    res = linprog(c, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=w_E, bounds=(0, None),
-                  method="highs")
-    assert res.success
-    return float(res.x[-1])
 
 
 def _planner_max_time(w_E, placement: Placement, layer: int, speed_G) -> float:
@@ -72,7 +54,7 @@ def test_resplit_reaches_the_planner_share_step_and_the_lp_optimum(case, seed):
         w[0] = 1.0
     speed = topo.speed
     _, _, ours = _ours(w, p, 0, speed, sweeps=400)
-    best = _lp_max_time(w, p, 0, speed)
+    best = optimal_max_time(w, p.phy2log[0], p.slot_device, speed)
     planner = _planner_max_time(w, p, 0, speed)
     assert ours == pytest.approx(best, rel=1e-5, abs=1e-6)
     assert ours == pytest.approx(planner, rel=1e-4, abs=1e-6)

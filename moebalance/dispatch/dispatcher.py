@@ -62,6 +62,9 @@ from .shares import ResplitPlan, resplit_plan, resplit_shares
 
 __all__ = ["Dispatcher", "DispatchHandle", "EXCHANGES", "release_buffers"]
 
+# The flat all-gather is all_gather_single from torch 2.13 on (all_gather_into_tensor, its
+# older name, now warns).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Placements whose tables are kept (the current one, the one being migrated to, spares).
 _CACHED_PLACEMENTS = 4
 # Columns of each rank's row in the count exchange after its E counts: expert ids out of range,
@@ -353,7 +356,7 @@ class Dispatcher:
         if self.world_size == 1:
             return row.view(1, -1)
         rows = row.new_empty(self.world_size * row.shape[0])
-        dist.all_gather_into_tensor(rows, row, group=self.group)
+        _all_gather_flat(rows, row, group=self.group)
         return rows.view(self.world_size, -1)
 
     # -- dispatch ------------------------------------------------------------------------------

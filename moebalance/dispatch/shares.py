@@ -27,11 +27,12 @@ import torch
 
 from .routing import ReplicaTable
 
-__all__ = ["RESPLIT_SWEEPS", "ResplitPlan", "resplit_plan", "resplit_shares", "device_loads"]
+__all__ = ["RESPLIT_SWEEPS", "ResplitPlan", "resplit_plan", "resplit_shares", "device_loads",
+           "optimal_max_time"]
 
 # Sweeps over all colour classes per step (see benchmarks/RESULTS.md for how close this gets to
 # the per-step optimum).
-RESPLIT_SWEEPS = 8
+RESPLIT_SWEEPS = 4
 
 
 @dataclass(frozen=True)
@@ -152,3 +153,34 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
         for experts in plan.classes:
             _water_fill(experts, w, share, load_G1, plan)
     return share
+
+
+def optimal_max_time(w_E, phy2log_S, slot_device_S, speed_G) -> float:
+    """The reference optimum of the re-split: min over shares of ``max_g load_g / speed_g``.
+
+    A linear program (``scipy.optimize.linprog``, HiGHS): variables x_s >= 0, the pairs of slot
+    s, and the time t; minimise t subject to ``sum of x over each expert's slots = w[e]`` and
+    ``sum of x over device g's slots <= t * speed[g]``.
+
+    Args:
+        w_E: [E] loads of the layer. phy2log_S: [S] expert of each slot. slot_device_S: [S]
+        device of each slot. speed_G: [G] device speeds.
+    """
+    from scipy.optimize import linprog
+
+    w = np.asarray(w_E, dtype=np.float64)
+    phy2log, device = np.asarray(phy2log_S), np.asarray(slot_device_S)
+    speed = np.asarray(speed_G, dtype=np.float64)
+    S, G, E = phy2log.shape[0], speed.shape[0], w.shape[0]
+    cost = np.zeros(S + 1)
+    cost[-1] = 1.0
+    a_eq = np.zeros((E, S + 1))
+    a_eq[phy2log, np.arange(S)] = 1.0
+    a_ub = np.zeros((G, S + 1))
+    a_ub[device, np.arange(S)] = 1.0
+    a_ub[:, -1] = -speed
+    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=w, bounds=(0, None),
+                  method="highs")
+    if not res.success:
+        raise RuntimeError(f"the re-split LP failed: {res.message}")
+    return float(res.x[-1])
