@@ -453,6 +453,21 @@ def a_malformed_input_on_one_rank_raises_on_every_rank():
     assert_close(dispatcher.combine(recv, handle), w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
 
 
+def a_new_placement_object_every_step_is_routed_by_its_own_shares():
+    """A live swap between steps (a new Placement object each time, even with equal contents)
+    routes by the new object's shares; the cache keeps a few placements, keyed by object."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(90 + rank)
+    dispatcher = Dispatcher(resplit=False)
+    for step in range(6):
+        placement = random_placement(300 + step % 3, 8, [3, 2, 4, 3], zero_share=0.3)
+        ids = torch.multinomial(torch.ones(8), 2 * (500 + 300 * rank), replacement=True,
+                                generator=gen).view(-1, 2)
+        assert_shares_met(dispatcher, placement, ids)
+        assert dispatcher._states[id(placement)].placement is placement
+    assert len(dispatcher._states) <= 4
+
+
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
     outputs_and_gradients_match_dense_with_node_preference,
@@ -468,6 +483,7 @@ CASES = [
     outputs_and_gradients_match_dense_with_per_step_resplit,
     shares_are_met_for_uneven_batches_and_rank_preferences,
     a_malformed_input_on_one_rank_raises_on_every_rank,
+    a_new_placement_object_every_step_is_routed_by_its_own_shares,
 ]
 
 
