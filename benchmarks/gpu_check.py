@@ -16,7 +16,8 @@ H100/H200. On fresh random inputs (seeded) it checks:
 4. ``no sync``: ``LoadTracker.record``, the routing flows and the re-split under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises.
 5. ``bandwidth``: GB/s of the CUDA gather_rows (permute) and combine kernels against the device's
-   own copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16; target >= 80%.
+   own copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16, by the dispatch
+   benchmark's GPU section; target >= 80%.
 
 Without a CUDA GPU (and ``--device cuda``) it says so and exits 0 having checked nothing. It
 prints a table last and writes JSON (``--out``). Exit status 1 when any check fails.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -292,55 +292,20 @@ def check_no_sync(seed: int) -> str:
 # -- 5. bandwidth -------------------------------------------------------------------------------
 
 
-def _cuda_median_ms(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def measure_bandwidth(results: Results, seed: int) -> str:
-    """GB/s of permute (gather_rows) and combine against copy_ of the same bytes."""
-    from moebalance.dispatch import cuda
+    """GB/s of permute (gather_rows) and combine against copy_ of the same bytes, measured by
+    the dispatch benchmark's GPU section (``moebalance bench dispatch --sections gpu``)."""
+    from moebalance.benchmarks.dispatch import run_gpu
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    T, K, S = 16384, 8, 256
+    rows = run_gpu(tokens=16384, hidden=2048, top_k=8, slots=256, repeats=20, seed=seed)
     worst = []
-    for dtype, D in ((torch.float32, 2048), (torch.bfloat16, 4096)):
-        size = torch.empty((), dtype=dtype).element_size()
-        x = torch.randn(T, D, device="cuda", generator=gen).to(dtype)
-        slot = torch.randint(0, S, (T, K), device="cuda", generator=gen)
-        w = torch.rand(T, K, device="cuda", generator=gen)
-        order, pos, _ = cuda.sort_by_slot(slot, S)
-        index = order // K
-        y = cuda.gather_rows(x, index)
-        y_out, x_out, y_copy = torch.empty_like(y), torch.empty_like(x), torch.empty_like(y)
-        x_copy = torch.empty_like(x)
-        N = T * K
-        copy_y = 2 * N * D * size / _cuda_median_ms(lambda: y_copy.copy_(y)) / 1e6
-        copy_x = 2 * T * D * size / _cuda_median_ms(lambda: x_copy.copy_(x)) / 1e6
-        # The device's copy bandwidth: the better of the two sizes' copies.
-        copy_gbps = max(copy_y, copy_x)
-        name = str(dtype).replace("torch.", "")
-        for op, moved, fn in (
-                ("permute (gather_rows)", 2 * N * D * size,
-                 lambda: cuda.gather_rows(x, index, out=y_out)),
-                ("combine (weighted)", (N + T) * D * size,
-                 lambda: cuda.combine(y, pos, w, out=x_out))):
-            gbps = moved / _cuda_median_ms(fn) / 1e6
-            results.figures.append({"name": f"{op} {name}", "gbps": gbps,
-                                    "vs_copy": gbps / copy_gbps, "copy_gbps": copy_gbps,
-                                    "target": f">= {BANDWIDTH_TARGET:.0%} of copy"})
-            worst.append(gbps / copy_gbps)
-        results.figures.append({"name": f"copy_ {name} (device copy bandwidth)", "gbps": copy_gbps,
-                                "vs_copy": 1.0, "copy_gbps": copy_gbps, "target": ""})
+    for row in rows:
+        kernel = row.op.split()[0] in ("gather_rows", "combine")
+        results.figures.append({"name": f"{row.op} ({row.method})", "gbps": row.gbps,
+                                "vs_copy": row.vs_copy, "ms": row.ms,
+                                "target": f">= {BANDWIDTH_TARGET:.0%} of copy" if kernel else ""})
+        if kernel:
+            worst.append(row.vs_copy)
     if min(worst) < BANDWIDTH_TARGET:
         raise AssertionError(f"a kernel reached {min(worst):.0%} of the copy bandwidth, below "
                              f"the {BANDWIDTH_TARGET:.0%} target")

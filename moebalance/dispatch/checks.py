@@ -84,8 +84,8 @@ def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError if an expert id lies outside [0, num_experts) (CPU tensors only)."""
     bad = _outside(topk_ids_TK, num_experts)
     if bad is not None:
-        raise ValueError(f"topk_ids_TK holds expert id {bad}, outside [0, {num_experts}) of the "
-                         f"routing table; route with the table of this layer")
+        raise ValueError(f"topk_ids_TK holds expert id {bad}, outside [0, {num_experts}) of "
+                         f"slots_EX; route with the replica table of this layer")
 
 
 def check_sort_by_slot(slot_TK, num_slots) -> None:
