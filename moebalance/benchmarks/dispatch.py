@@ -35,7 +35,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +44,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..backends import has_cupy_gpu, has_numba
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from .report import format_markdown, format_text, machine_info
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
@@ -557,9 +556,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench dispatch`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench dispatch", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "dispatch", *argv]),
-                       prog="moebalance bench dispatch")
+    return run_subcommand("dispatch", DESCRIPTION, add_arguments, run, argv)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import workloads
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from ..metrics import summary_imbalance
 from ..placement import Placement
 from ..planner import plan
@@ -207,9 +206,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench resplit`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench resplit", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "resplit", *argv]),
-                       prog="moebalance bench resplit")
+    return run_subcommand("resplit", DESCRIPTION, add_arguments, run, argv)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
-from . import checks, reference
+from . import checks
 from .reference import compute_dtype
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad", "source",
