@@ -60,6 +60,14 @@ def test_targets_sum_to_the_total_and_stay_within_one_of_the_share(total, weight
     assert np.all(target[share == 0] == 0)
 
 
+def test_shares_summing_a_hair_under_one_never_send_pairs_to_padding():
+    share = torch.tensor([[0.3, 0.7 - 1e-9, 0.0, 0.0], [1.0 - 1e-9, 0.0, 0.0, 0.0]],
+                         dtype=torch.float64)
+    total = torch.tensor([10**9, 10**9 + 1])
+    target = replica_targets(total, share)
+    assert target.tolist() == [[300000000, 700000000, 0, 0], [10**9 + 1, 0, 0, 0]]
+
+
 @settings(max_examples=60)
 @given(placement_cases(max_devices=6, max_slots=4, max_layers=2),
        st.sampled_from(["uneven", "preferences", "uniform"]), st.integers(0, 1000),

@@ -100,12 +100,15 @@ def replica_targets(total_E: torch.Tensor, share_EX: torch.Tensor) -> torch.Tens
         total_E: [E] int64, pairs of each expert over the group.
         share_EX: [E, X] float64, shares of each expert's replicas (rows sum to 1, 0 padded).
     """
-    total = total_E.to(torch.float64).unsqueeze(1)
-    bounds = torch.round(torch.cumsum(share_EX, dim=1) * total).to(torch.int64)
-    # The last bound is the total exactly, whatever rounding did to the shares' sum; bounds
-    # never pass it (shares that sum to a hair over 1).
-    bounds = torch.minimum(bounds, total_E.unsqueeze(1))
-    bounds[:, -1] = total_E
+    total = total_E.unsqueeze(1)
+    bounds = torch.round(torch.cumsum(share_EX, dim=1) * total.to(torch.float64)).to(torch.int64)
+    # From the last replica with a share on, the bound is the total exactly, whatever rounding
+    # did to the shares' sum (padding and zero-share replicas after it get nothing), and no
+    # bound passes the total (shares that sum to a hair over 1).
+    X = share_EX.shape[1]
+    columns = torch.arange(X, device=share_EX.device)
+    last = (X - 1) - torch.flip(share_EX > 0, dims=(1,)).to(torch.int8).argmax(dim=1, keepdim=True)
+    bounds = torch.where(columns >= last, total, torch.minimum(bounds, total))
     return torch.diff(bounds, dim=1, prepend=torch.zeros_like(bounds[:, :1]))
 
 
