@@ -27,7 +27,7 @@ import torch
 
 from .routing import ReplicaTable
 
-__all__ = ["RESPLIT_SWEEPS", "ResplitPlan", "resplit_plan", "resplit_shares", "device_loads",
+__all__ = ["RESPLIT_SWEEPS", "ColourClass", "ResplitPlan", "resplit_plan", "resplit_shares", "device_loads",
            "optimal_max_time"]
 
 # Sweeps over all colour classes per step (see benchmarks/RESULTS.md for how close this gets to
@@ -36,20 +36,34 @@ RESPLIT_SWEEPS = 4
 
 
 @dataclass(frozen=True)
+class ColourClass:
+    """Replicated experts of which no two share a device, with what their water-filling reads.
+
+    Attributes (n experts of the class):
+        experts: [n] int64 expert ids.
+        valid: [n, X] bool, columns holding a replica.
+        device: [n, X] int64, device of each replica (0 on padding, so it can index).
+        scatter: [n, X] int64, device of each replica (G, a scratch cell, on padding).
+        rate: [n, X] float64, speed of each replica's device (1 on padding).
+    """
+
+    experts: torch.Tensor
+    valid: torch.Tensor
+    device: torch.Tensor
+    scatter: torch.Tensor
+    rate: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ResplitPlan:
     """What the re-split of one layer needs besides the counts, on one device.
 
     Attributes:
-        device_EX: [E, X] int64, device of each replica (-1 padded).
         holds_GEX: [G, E, X] float64, 1 where device g holds replica (e, j).
-        speed_G: [G] float64, relative speed of each device.
-        classes: C int64 tensors of expert ids; the replicated experts, none of a class sharing
-            a device with another of it.
+        classes: C :class:`ColourClass` covering the replicated experts.
     """
 
-    device_EX: torch.Tensor
     holds_GEX: torch.Tensor
-    speed_G: torch.Tensor
     classes: tuple
 
 
@@ -92,9 +106,15 @@ def resplit_plan(table: ReplicaTable, speed_G, device=None) -> ResplitPlan:
         raise ValueError(f"speed_G gives {G} devices but the placement uses device "
                          f"{int(device_EX.max())}; give one speed per rank of the group")
     holds = (device_EX[None] == np.arange(G)[:, None, None]).astype(np.float64)
-    classes = tuple(torch.from_numpy(c).to(device) for c in _colour_classes(device_EX, G))
-    return ResplitPlan(torch.from_numpy(device_EX).to(device), torch.from_numpy(holds).to(device),
-                       torch.from_numpy(speed).to(device), classes)
+    classes = []
+    for experts in _colour_classes(device_EX, G):
+        on = device_EX[experts]
+        valid = on >= 0
+        parts = (experts, valid, np.where(valid, on, 0), np.where(valid, on, G),
+                 np.where(valid, speed[np.maximum(on, 0)], 1.0))
+        classes.append(ColourClass(*(torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                                     for a in parts)))
+    return ResplitPlan(torch.from_numpy(holds).to(device), tuple(classes))
 
 
 def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor, holds_GEX: torch.Tensor) -> torch.Tensor:
@@ -105,30 +125,25 @@ def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor, holds_GEX: torch.Ten
     return (holds_GEX * (w_E.unsqueeze(1) * share_EX).unsqueeze(0)).sum(dim=(1, 2))
 
 
-def _water_fill(experts: torch.Tensor, w_E, share_EX, load_G1, plan: ResplitPlan) -> None:
-    """Water-fill the experts of one colour class at once; updates share_EX and load_G1 (its
-    last entry a scratch cell for padded columns) in place."""
-    device = plan.device_EX.index_select(0, experts)                   # [n, X]
-    valid = device >= 0
-    G = plan.speed_G.shape[0]
-    safe = device.clamp(min=0)
-    w = w_E.index_select(0, experts).unsqueeze(1)                       # [n, 1]
-    share = share_EX.index_select(0, experts)
-    base = torch.where(valid, load_G1[safe] - w * share, 0.0)           # load without this expert
-    rate = torch.where(valid, plan.speed_G[safe], 1.0)
-    level = torch.where(valid, base / rate, torch.inf)
+def _water_fill(c: ColourClass, w_n1: torch.Tensor, share_EX: torch.Tensor,
+                load_G1: torch.Tensor) -> None:
+    """Water-fill the experts of one colour class at once (``w_n1`` [n, 1] their loads);
+    updates share_EX and load_G1 (its last entry a scratch cell for padding) in place."""
+    share = share_EX.index_select(0, c.experts)
+    base = torch.where(c.valid, load_G1[c.device] - w_n1 * share, 0.0)  # load without this expert
+    level = torch.where(c.valid, base / c.rate, torch.inf)
     level_sorted, order = torch.sort(level, dim=1, stable=True)
     acc_base = torch.cumsum(base.gather(1, order), dim=1)
-    acc_rate = torch.cumsum(rate.gather(1, order), dim=1)
-    lam = (w + acc_base) / acc_rate                                      # [n, X] candidate levels
+    acc_rate = torch.cumsum(c.rate.gather(1, order), dim=1)
+    lam = (w_n1 + acc_base) / acc_rate                                  # [n, X] candidate levels
     following = torch.cat([level_sorted[:, 1:], torch.full_like(level_sorted[:, :1], torch.inf)], 1)
     # The level settles at the first k whose common time does not reach the next device's.
     k = (lam <= following).to(torch.int8).argmax(dim=1, keepdim=True)
-    piece = torch.where(valid, (lam.gather(1, k) * rate - base).clamp(min=0.0), 0.0)
+    piece = torch.where(c.valid, (lam.gather(1, k) * c.rate - base).clamp(min=0.0), 0.0)
     placed = piece.sum(dim=1, keepdim=True)
     new_share = torch.where(placed > 0, piece / torch.where(placed > 0, placed, 1.0), share)
-    share_EX.index_copy_(0, experts, new_share)
-    load_G1.index_put_((torch.where(valid, device, G),), base + w * new_share)
+    share_EX.index_copy_(0, c.experts, new_share)
+    load_G1.index_put_((c.scatter,), base + w_n1 * new_share)
 
 
 def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
@@ -149,9 +164,10 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
     share = share_EX.to(torch.float64).clone()
     load = device_loads(w, share, plan.holds_GEX)
     load_G1 = torch.cat([load, load.new_zeros(1)])
+    w_n1 = [w.index_select(0, c.experts).unsqueeze(1) for c in plan.classes]
     for _ in range(sweeps if plan.classes else 0):
-        for experts in plan.classes:
-            _water_fill(experts, w, share, load_G1, plan)
+        for c, w_c in zip(plan.classes, w_n1):
+            _water_fill(c, w_c, share, load_G1)
     return share
 
 
