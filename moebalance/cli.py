@@ -2,6 +2,7 @@
 
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
+    moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance bench resplit ...                      per-step re-split benchmark
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--loads LOADS] [--topology FILE | ...]
@@ -15,7 +16,6 @@ The parser, argument types and file readers it shares with the benchmark scripts
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -119,19 +119,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return planner.run(args)
 
 
+SUB_BENCHMARKS = ("dispatch", "train", "resplit")   # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+
+
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:
-    """``moebalance bench <name> ...`` (dispatch, resplit): hand the rest of the line to the
-    benchmark module ``moebalance.benchmarks.<name>``."""
-    module_name = f"moebalance.benchmarks.{name}"
+    """``moebalance bench NAME ...``: hand the rest of the line to that benchmark's ``main``."""
+    import importlib
+
+    module = f"moebalance.benchmarks.{name}"
     try:
-        module = importlib.import_module(module_name)
+        bench = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name != module_name:
+        if exc.name != module:
             raise
-        print(f"moebalance bench: error: the {name} benchmark ({module_name}) is not part of "
-              f"this installation", file=sys.stderr)
+        print(f"moebalance bench: error: the {name} benchmark ({module}) is not part of this "
+              f"installation", file=sys.stderr)
         return 2
-    return int(module.main(list(argv)) or 0)
+    return int(bench.main(list(argv)) or 0)
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -149,10 +153,12 @@ def build_parser() -> ArgumentParser:
                                 parser_class=ArgumentParser)
 
     bench = sub.add_parser("bench", help="planner benchmark against EPLB (default); "
-                                         "'bench dispatch --help' / 'bench resplit --help' for "
-                                         "the dispatch and re-split benchmarks",
+                                         "'bench dispatch --help', 'bench train --help' and "
+                                         "'bench resplit --help' for the dispatch, live-migration "
+                                         "and per-step re-split benchmarks",
                            description=planner.DESCRIPTION
                            + " 'moebalance bench dispatch ...' runs the dispatch benchmark, "
+                             "'moebalance bench train ...' the live-migration benchmark, "
                              "'moebalance bench resplit ...' the per-step re-split benchmark.")
     planner.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
@@ -187,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["bench", *argv]  # bench is the default command
-    if argv[:2] in (["bench", "dispatch"], ["bench", "resplit"]):
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUB_BENCHMARKS:
         return run_sub_bench(argv[1], argv[2:])
     if argv[:2] == ["bench", "planner"]:
         argv = ["bench", *argv[2:]]

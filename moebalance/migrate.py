@@ -370,6 +370,8 @@ class Migrator:
             raise ValueError(f"slot_params has no slot tensors for layers {missing} that the plan "
                              f"changes; pass every layer's [gate_up, down] (or equivalent)")
         self._check_agreement(plan, slot_params, optimizer)
+        if plan.num_moves and self.world_size > 1:
+            self.transfer_group     # every rank connects now, also one that sends nothing yet
         self._count += 1
         return Migration(self, plan, {layer: list(slot_params[layer]) for layer in plan.changed_layers},
                          optimizer, self._count)

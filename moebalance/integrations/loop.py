@@ -129,6 +129,7 @@ class Rebalancer:
         self.tracker = tracker
         self._rows = self._tracker_rows()
         self.steps = 0
+        self.last_counts = None
         self.history: list[dict] = []
         self._migration = None
         self._report: dict | None = None
@@ -153,7 +154,7 @@ class Rebalancer:
         """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
         when this step started one, else None."""
         self.steps += 1
-        self.tracker.step()
+        self.last_counts = self.tracker.step()    # [L_tracked, E] of the step just closed, this rank
         self._check_migration()
         if self._migration is not None:
             return None                         # one migration at a time
