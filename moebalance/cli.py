@@ -119,7 +119,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return planner.run(args)
 
 
-SUB_BENCHMARKS = ("dispatch", "train", "resplit")   # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+# `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+SUB_BENCHMARKS = ("dispatch", "train", "resplit")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:
