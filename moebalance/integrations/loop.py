@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..metrics import summary_imbalance
-from ..migrate import MigrationError
+from ..migrate import MigrationError, Migrator
 from ..nn import apply_placement, current_placement, moe_layers
 from ..planner import plan
 from ..topology import Topology
@@ -128,6 +128,9 @@ class Rebalancer:
             raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
         self.tracker = tracker
         self._rows = self._tracker_rows()
+        if world > 1:
+            # Connect the migration transfers now (a collective), not inside the first re-plan.
+            Migrator(self.group, timeout_s=timeout_s).transfer_group
         self.steps = 0
         self.last_counts = None
         self.history: list[dict] = []
