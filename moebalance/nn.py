@@ -146,21 +146,94 @@ class SlotExperts(nn.Module):
         _uniform_(self.gate_up[slot], self.hidden_dim ** -0.5, gen)
         _uniform_(self.down[slot], self.ffn_dim ** -0.5, gen)
 
+    # The grouped GEMM path runs where torch has it for the rows' dtype; False forces the loop.
+    use_grouped_mm = True
+
     def forward(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
         """Apply slot i to its contiguous rows.
 
         Args:
             x_MD: [M, D], rows grouped by slot.
-            tokens_per_slot: [slots] ints summing to M, rows of each slot.
+            tokens_per_slot: [slots] ints summing to M, rows of each slot (host ints, or an
+                integer tensor on x's device).
 
         Returns:
             y_MD: [M, D].
+
+        Two paths compute the same function: one ``torch._grouped_mm`` per projection over all
+        slots (:func:`grouped_swiglu`) where it runs, else the loop over slots
+        (:func:`looped_swiglu`, the reference the tests compare against).
         """
-        # Empty slots still run (on zero rows) so that the output always depends on the
-        # parameters: every rank then joins the backward exchanges, even one that got no rows.
-        chunks = torch.split(x_MD, list(tokens_per_slot))
-        return torch.cat([swiglu(rows, self.gate_up[s], self.down[s])
-                          for s, rows in enumerate(chunks)])
+        if self.use_grouped_mm and grouped_mm_runs(x_MD, self.ffn_dim):
+            return grouped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
+        if isinstance(tokens_per_slot, torch.Tensor):
+            tokens_per_slot = tokens_per_slot.tolist()
+        return looped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
+
+
+def looped_swiglu(x_MD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+                  tokens_per_slot) -> torch.Tensor:
+    """Slot l's SwiGLU on its contiguous rows, one slot at a time (the reference).
+
+    Args: x_MD [M, D] rows grouped by slot; gate_up_L2FD [Ls, 2F, D]; down_LDF [Ls, D, F];
+    tokens_per_slot [Ls] host ints summing to M. Returns y_MD [M, D].
+    """
+    # Empty slots still run (on zero rows) so that the output always depends on the
+    # parameters: every rank then joins the backward exchanges, even one that got no rows.
+    chunks = torch.split(x_MD, list(tokens_per_slot))
+    return torch.cat([swiglu(rows, gate_up_L2FD[s], down_LDF[s]) for s, rows in enumerate(chunks)])
+
+
+def grouped_mm_runs(x_MD: torch.Tensor, ffn_dim: int) -> bool:
+    """Whether :func:`grouped_swiglu` runs for rows like ``x_MD`` and expert hidden size F:
+    torch has ``_grouped_mm``, takes the dtype there (float32 and bfloat16 on the CPU;
+    bfloat16 on a CUDA GPU of compute capability 9.0 or later), and rows of D and of F
+    elements are multiples of 16 bytes (its stride rule), and there is at least one row (its
+    backward fails on none)."""
+    if not hasattr(torch, "_grouped_mm") or x_MD.shape[0] == 0:
+        return False
+    size = x_MD.element_size()
+    if (x_MD.shape[1] * size) % 16 or (ffn_dim * size) % 16 or not x_MD.is_contiguous():
+        return False
+    if x_MD.device.type == "cpu":
+        return x_MD.dtype in (torch.float32, torch.bfloat16)
+    if x_MD.device.type == "cuda":
+        return (x_MD.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x_MD.device) >= (9, 0))
+    return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: ``_grouped_mm``'s backward
+    rejects the stride-0 gradients that e.g. ``y.sum().backward()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_swiglu(x_MD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+                   tokens_per_slot) -> torch.Tensor:
+    """:func:`looped_swiglu` with one grouped GEMM per projection over all slots.
+
+    Args: as :func:`looped_swiglu`; ``tokens_per_slot`` may also be an integer tensor on
+    x's device (no host round trip).
+    """
+    if isinstance(tokens_per_slot, torch.Tensor):
+        offs = torch.cumsum(tokens_per_slot.to(x_MD.device), 0).to(torch.int32)
+    else:
+        offs = torch.tensor(list(tokens_per_slot), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        if x_MD.device.type != "cpu":
+            # Pinned and non-blocking: a pageable host-to-device copy would stall the stream.
+            offs = offs.pin_memory().to(x_MD.device, non_blocking=True)
+    h_M2F = torch._grouped_mm(x_MD, gate_up_L2FD.transpose(1, 2), offs=offs)
+    gate, up = _ContiguousGrad.apply(h_M2F).chunk(2, dim=-1)
+    y_MD = torch._grouped_mm(F.silu(gate) * up, down_LDF.transpose(1, 2), offs=offs)
+    return _ContiguousGrad.apply(y_MD)
 
 
 class DenseMoE(nn.Module):
@@ -226,7 +299,8 @@ class ExpertParallelMoE(ExpertSlots):
             gives it); None draws a seed from rank 0's global generator and broadcasts it, a
             construction-time collective.
         exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); nodes: the
-            node of each rank, to keep tokens on their node; see
+            node of each rank, to keep tokens on their node; resplit, speeds: re-split each
+            step's tokens over the existing replicas by the devices' speeds; see
             :class:`~moebalance.dispatch.Dispatcher`.
         grad_sync: "backward" (default): replica and router gradients are reduced during
             backward and are final when ``backward()`` returns (before gradient clipping);
@@ -252,14 +326,15 @@ class ExpertParallelMoE(ExpertSlots):
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
                  exchange: str = "auto", nodes=None, grad_sync: str = "backward",
-                 sync_router: bool = True) -> None:
+                 sync_router: bool = True, resplit: bool = False, speeds=None) -> None:
         super().__init__()
         self.hidden_dim = _positive_int(hidden_size, "hidden_size")
         self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
         self.num_experts = _positive_int(num_experts, "num_experts")
         self.top_k = _positive_int(top_k, "top_k")
         self._check_placement(placement, layer, self.num_experts)
-        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes)
+        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
+                                     speeds=speeds)
         if router is None:
             router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         elif not isinstance(router, nn.Module):
@@ -316,10 +391,14 @@ class ExpertParallelMoE(ExpertSlots):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``."""
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
-            raise ValueError(f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
-                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
         self._commit_pending()
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
+            # The other ranks are entering the dispatch: join its count exchange with a flag so
+            # that they raise too instead of waiting for this rank.
+            self.dispatcher.abort(ValueError(
+                f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
+                f"{tuple(getattr(hidden_states, 'shape', ()))}"), self.placement, self.layer,
+                device=getattr(hidden_states, "device", None))
         x_TD = hidden_states.reshape(-1, self.hidden_dim)
         _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
