@@ -25,7 +25,8 @@ __all__ = [
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
-from .integrations import Rebalancer  # noqa: E402  (joins tracker, planner, migrate and nn)
+from .integrations import Rebalancer, save_pretrained, unwrap, wrap  # noqa: E402  (the top floor)
 from . import checkpoint  # noqa: E402,F401
 
-__all__ += ["plan", "rebalance_experts", "Rebalancer", "checkpoint"]
+__all__ += ["plan", "rebalance_experts", "Rebalancer", "wrap", "unwrap", "save_pretrained",
+            "checkpoint"]

@@ -72,8 +72,9 @@ class Rebalancer:
         check_every: steps between threshold checks (default ``every`` or 50); each check is one
             all-reduce of the [L, E] loads.
         max_moves: cap on expert copies per re-plan (passed to :func:`moebalance.plan`).
-        tracker: a :class:`LoadTracker` attached to ``model``; None attaches one whose window is
-            the steps between decisions.
+        tracker: a :class:`LoadTracker` attached to ``model``; None takes the one
+            :func:`moebalance.wrap` attached, or attaches one whose window is the steps between
+            decisions. A tracker without window or EMA restarts after each re-plan.
         blocking: finish each migration inside ``step()`` instead of beside the next forward.
         timeout_s, max_bytes_in_flight: see :func:`moebalance.apply_placement`.
         on_failure: "warn" (log, keep training on the placement the layers hold, retry at the
@@ -124,10 +125,15 @@ class Rebalancer:
                             f"{type(optimizer).__name__}")
         self.optimizer = optimizer
         if tracker is None:
+            tracker = getattr(model, "moebalance_tracker", None)     # attached by moebalance.wrap
+        if tracker is None:
             tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
         elif not isinstance(tracker, LoadTracker):
             raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
         self.tracker = tracker
+        # A tracker that sums every step (no window, no EMA) is read as "loads since the last
+        # re-plan": it starts afresh after each one.
+        self._reset_after_replan = tracker.window is None and tracker.ema is None
         self._rows = self._tracker_rows()
         if world > 1:
             # Connect the migration transfers now (a collective), not inside the first re-plan.
@@ -196,6 +202,8 @@ class Rebalancer:
                                     blocking=False, timeout_s=self.timeout_s,
                                     max_bytes_in_flight=self.max_bytes_in_flight)
         self._last_replan = self.steps
+        if self._reset_after_replan:
+            self.tracker.reset()
         report = {"step": self.steps, "imbalance_before": float(before),
                   "imbalance_after": float(after), "moves": migration.plan.num_moves,
                   "bytes": migration.plan.total_bytes, "plan_ms": planned_ms,
