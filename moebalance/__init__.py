@@ -6,8 +6,9 @@ from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker, attach
 from .dispatch import Dispatcher
-from .nn import (ExpertParallelMoE, apply_placement, clip_grad_norm_, current_placement,
-                 reduce_replica_gradients)
+from .nn import ExpertParallelMoE
+from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
+                           reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
 
 __version__ = "0.1.0"
@@ -24,7 +25,8 @@ __all__ = [
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
-from .integrations import Rebalancer  # noqa: E402  (joins tracker, planner, migrate and nn)
+from .integrations import Rebalancer, save_pretrained, unwrap, wrap  # noqa: E402  (the top floor)
 from . import checkpoint  # noqa: E402,F401
 
-__all__ += ["plan", "rebalance_experts", "Rebalancer", "checkpoint"]
+__all__ += ["plan", "rebalance_experts", "Rebalancer", "wrap", "unwrap", "save_pretrained",
+            "checkpoint"]

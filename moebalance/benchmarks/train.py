@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     import torch.distributed as dist
 
     import moebalance as mb
+    from moebalance.migrate import Migrator
     from moebalance.models import MoELanguageModel, TextBatches, lm_loss
     from moebalance.workloads import trace_loads
 
@@ -125,6 +126,8 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
 
     for _ in range(cfg["warmup"]):
         train_step()
+    # The migration connections are made once per job (the Rebalancer makes them when built).
+    Migrator(None).transfer_group
     rng = np.random.default_rng(cfg["seed"] + 7)
     base, migrating, starts, in_flight, reports = [], [], [], [], []
     for _ in range(cfg["trials"]):

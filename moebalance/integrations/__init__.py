@@ -1,6 +1,8 @@
 """Where the tracker, the planner, the migration and the layers meet: training-loop drivers.
 
 * :class:`Rebalancer` (plain loop): ``rebalancer.step()`` after ``optimizer.step()``.
+* :func:`wrap` / :func:`unwrap` / :func:`save_pretrained`: transformers 5.x MoE models made
+  expert-parallel, and back to their own layout.
 * :mod:`moebalance.integrations.lightning`: ``RebalanceCallback`` (Lightning 2.x).
 * :mod:`moebalance.integrations.hf`: ``RebalanceTrainerCallback`` (transformers ``Trainer``).
 
@@ -8,5 +10,6 @@ Lightning and transformers are imported only by their own modules.
 """
 
 from .loop import Rebalancer
+from .wrap import save_pretrained, unwrap, wrap
 
-__all__ = ["Rebalancer"]
+__all__ = ["Rebalancer", "wrap", "unwrap", "save_pretrained"]

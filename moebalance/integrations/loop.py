@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..metrics import summary_imbalance
-from ..migrate import MigrationError
-from ..nn import apply_placement, current_placement, moe_layers
+from ..migrate import MigrationError, Migrator
+from ..expert_slots import apply_placement, current_placement, moe_layers
 from ..planner import plan
 from ..topology import Topology
 from ..tracker import LoadTracker, attach
@@ -59,10 +59,10 @@ def _optional_positive(value, name: str):
 
 
 class Rebalancer:
-    """Re-plan and migrate the ExpertParallelMoE layers of ``model`` while it trains.
+    """Re-plan and migrate the expert-parallel layers of ``model`` while it trains.
 
     Args:
-        model: the model (its ExpertParallelMoE layers share one process group).
+        model: the model (its expert-parallel layers share one process group).
         topology: the devices (one per rank of the group), with speeds and slots.
         optimizer: the optimizer of the experts (its state moves with the rows); None for
             weights only.
@@ -72,8 +72,9 @@ class Rebalancer:
         check_every: steps between threshold checks (default ``every`` or 50); each check is one
             all-reduce of the [L, E] loads.
         max_moves: cap on expert copies per re-plan (passed to :func:`moebalance.plan`).
-        tracker: a :class:`LoadTracker` attached to ``model``; None attaches one whose window is
-            the steps between decisions.
+        tracker: a :class:`LoadTracker` attached to ``model``; None takes the one
+            :func:`moebalance.wrap` attached, or attaches one whose window is the steps between
+            decisions. A tracker without window or EMA restarts after each re-plan.
         blocking: finish each migration inside ``step()`` instead of beside the next forward.
         timeout_s, max_bytes_in_flight: see :func:`moebalance.apply_placement`.
         on_failure: "warn" (log, keep training on the placement the layers hold, retry at the
@@ -89,8 +90,9 @@ class Rebalancer:
                  plan_options: dict | None = None) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
-            raise ValueError(f"{type(model).__name__} holds no ExpertParallelMoE layer; build the "
-                             f"model from moebalance layers (or wrap it) before adding a Rebalancer")
+            raise ValueError(f"{type(model).__name__} holds no expert-parallel layer; build the "
+                             f"model from moebalance layers (or moebalance.wrap it) before adding "
+                             f"a Rebalancer")
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
         world = self.layers[0].dispatcher.world_size
@@ -123,11 +125,19 @@ class Rebalancer:
                             f"{type(optimizer).__name__}")
         self.optimizer = optimizer
         if tracker is None:
+            tracker = getattr(model, "moebalance_tracker", None)     # attached by moebalance.wrap
+        if tracker is None:
             tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
         elif not isinstance(tracker, LoadTracker):
             raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
         self.tracker = tracker
+        # A tracker that sums every step (no window, no EMA) is read as "loads since the last
+        # re-plan": it starts afresh after each one.
+        self._reset_after_replan = tracker.window is None and tracker.ema is None
         self._rows = self._tracker_rows()
+        if world > 1:
+            # Connect the migration transfers now (a collective), not inside the first re-plan.
+            Migrator(self.group, timeout_s=timeout_s).transfer_group
         self.steps = 0
         self.last_counts = None
         self.history: list[dict] = []
@@ -138,10 +148,10 @@ class Rebalancer:
     def _tracker_rows(self) -> list[tuple[int, int]]:
         """(tracker layer, placement layer) for every ExpertParallelMoE layer."""
         names = list(self.tracker.layer_names or [])
-        prefix = {id(m): name for name, m in self.model.named_modules()}
+        name_of = {id(m): name for name, m in self.model.named_modules()}
         rows = []
         for layer in self.layers:
-            router_name = (prefix[id(layer)] + ".router").lstrip(".")
+            router_name = name_of.get(id(layer.router_module()), "?")
             if router_name not in names:
                 raise ValueError(f"the tracker does not record the router {router_name!r}; attach it "
                                  f"to this model with moebalance.attach(model)")
@@ -192,6 +202,8 @@ class Rebalancer:
                                     blocking=False, timeout_s=self.timeout_s,
                                     max_bytes_in_flight=self.max_bytes_in_flight)
         self._last_replan = self.steps
+        if self._reset_after_replan:
+            self.tracker.reset()
         report = {"step": self.steps, "imbalance_before": float(before),
                   "imbalance_after": float(after), "moves": migration.plan.num_moves,
                   "bytes": migration.plan.total_bytes, "plan_ms": planned_ms,

@@ -1,0 +1,248 @@
+"""``mb.wrap(model, topology)``: a transformers 5.x MoE model, expert-parallel over a process group.
+
+The plug point is a module swap of each MoE block's ``experts`` child. All six families
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS) run
+``router(x) -> (logits, top_k_weights, top_k_index)`` and then
+``self.experts(hidden [T, H], top_k_index, top_k_weights)``, with shared experts (Qwen2-MoE,
+DeepSeek-V3) added outside it. Replacing that one child keeps the model's own router and its
+exact choice (DeepSeek-V3's bias-corrected, group-limited top-k included), the shared experts and
+every non-expert module as they are, and needs no registry. transformers' own expert
+parallelism (``DistributedConfig(ep_size=...)``) shards experts as contiguous DTensor blocks with
+no replicas and no placement, and its ``EPImplementationInterface`` / ``ExpertsInterface`` plug
+points pass through version-specific registries; a module swap works on every 5.x release that
+calls ``self.experts(...)``.
+
+:class:`HFExpertSlots` holds this rank's slots in the family's own layout (``gate_up_proj [Ls,
+2I, H]``, ``down_proj [Ls, H, I]``; GPT-OSS: transposed ``[Ls, H, 2I]`` / ``[Ls, I, H]``,
+gate and up interleaved, with biases and the clamped activation of the original module), so its
+per-expert arithmetic is the original's, and checkpoints by logical expert come back in
+transformers' layout (:func:`unwrap`, :func:`save_pretrained`).
+
+Data parallelism for what is not an expert: every other parameter is replicated on all ranks;
+its gradient is averaged over the group during backward (:class:`~moebalance.replica_sync.
+GradientSync`), and the expert gradients are scaled the same way, so with each rank computing
+transformers' usual mean loss over its own tokens (equal counts per rank) the gradients equal
+those of one process on the global batch. Do not also wrap the model in DDP.
+
+Legend: T tokens on this rank, H hidden size, I expert hidden size, E experts, Ls local slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dispatch.dispatcher import Dispatcher
+from ..expert_slots import ExpertSlots, current_placement, moe_layers
+from ..placement import Placement
+from ..replica_sync import GradientSync
+from ..topology import Topology
+from ..tracker import find_routers
+
+__all__ = ["wrap", "unwrap", "unwrap_state_dict", "save_pretrained", "HFExpertSlots"]
+
+GRAD_SCALES = ("mean", "sum")
+
+
+class HFExpertSlots(ExpertSlots):
+    """This rank's expert slots of one transformers MoE block, served through the dispatcher.
+
+    Built by :func:`wrap` from the block's original ``experts`` module (its rows copied by
+    logical expert). Forward: ``(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) ->
+    [T, H]``, like the module it replaces.
+    """
+
+    def __init__(self, original: nn.Module, router: nn.Module, placement: Placement, layer: int,
+                 group=None, *, exchange: str = "auto", nodes=None, grad_scale: float = 1.0,
+                 resplit: bool = False, speeds=None) -> None:
+        super().__init__()
+        names = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+                 if isinstance(getattr(original, n, None), torch.Tensor)]
+        if "gate_up_proj" not in names or "down_proj" not in names:
+            raise ValueError(f"{type(original).__name__} has no fused gate_up_proj / down_proj "
+                             f"parameters; wrap() takes transformers 5.x MoE experts")
+        num_experts = original.gate_up_proj.shape[0]
+        self._check_placement(placement, layer, num_experts)
+        self.num_experts = num_experts
+        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
+                                     speeds=speeds)
+        local = self.dispatcher.local_slots(placement, layer)
+        rows = torch.from_numpy(placement.phy2log[layer, local.start:local.stop].copy())
+        self._names = names
+        for name in names:
+            full = getattr(original, name).detach()
+            setattr(self, name, nn.Parameter(full.index_select(0, rows.to(full.device)).clone()))
+        # GPT-OSS: transposed, interleaved gate/up with a clamped activation; the others SwiGLU.
+        self.transposed = "gate_up_proj_bias" in names
+        if self.transposed:
+            self.alpha = float(original.alpha)
+            self.limit = float(original.limit)
+            self._apply_gate = type(original)._apply_gate.__get__(self)
+        else:
+            self.act_fn = original.act_fn
+        self.__dict__["_router"] = router          # a reference: the block owns the router
+        self._init_slots(placement, layer, grad_sync="backward", grad_scale=grad_scale)
+
+    def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, getattr(self, name)) for name in self._names]
+
+    def router_module(self) -> nn.Module:
+        return self.__dict__["_router"]
+
+    def _expert(self, slot: int, x_MH: torch.Tensor) -> torch.Tensor:
+        """The original module's arithmetic for the expert in local ``slot``."""
+        if self.transposed:
+            gate_up = x_MH @ self.gate_up_proj[slot] + self.gate_up_proj_bias[slot]
+            return self._apply_gate(gate_up) @ self.down_proj[slot] + self.down_proj_bias[slot]
+        gate, up = nn.functional.linear(x_MH, self.gate_up_proj[slot]).chunk(2, dim=-1)
+        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[slot])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._commit_pending()
+        x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+        recv_MH, handle = self.dispatcher.dispatch(x_TH, top_k_index, top_k_weights.to(x_TH.dtype),
+                                                   self.placement, self.layer)
+        # Every slot runs, on zero rows too, so every rank joins the backward exchanges.
+        chunks = torch.split(recv_MH, list(handle.tokens_per_local_slot))
+        y_MH = torch.cat([self._expert(s, rows) for s, rows in enumerate(chunks)])
+        return self.dispatcher.combine(y_MH, handle).reshape(hidden_states.shape)
+
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, block, router) of every MoE block whose ``experts`` child holds fused 3D experts."""
+    modules = dict(model.named_modules())
+    blocks = []
+    for router_name, router, _ in find_routers(model):
+        block_name = router_name.rpartition(".")[0]
+        block = modules.get(block_name)
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, HFExpertSlots):
+            raise ValueError("this model is already wrapped; wrap() it once (unwrap() gives the "
+                             "plain model back)")
+        if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            blocks.append((block_name, block, router))
+    return blocks
+
+
+def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement | None = None, *,
+         exchange: str = "auto", nodes=None, grad_scale: str = "mean", resplit: bool = False,
+         track: bool = True) -> nn.Module:
+    """Make a transformers 5.x MoE model expert-parallel over ``group``, in place.
+
+    Call on every rank of the group with the same model (same weights: build it from the same
+    seed or load the same checkpoint) before creating the optimizer.
+
+    Args:
+        model: a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 or GPT-OSS model (or any
+            transformers 5.x model whose MoE blocks call ``self.experts(hidden, ids, weights)``).
+        topology: the devices, one per rank of ``group``.
+        group: the process group (None: the default group).
+        placement: one row per MoE block, in module order; None plans one for uniform loads.
+        exchange, nodes, resplit: dispatch options (see :class:`~moebalance.dispatch.Dispatcher`);
+            ``nodes`` defaults to the topology's nodes.
+        grad_scale: "mean" (default): gradients of the mean of the ranks' losses, which for
+            transformers' mean loss over equal token counts per rank equals one process on the
+            global batch; "sum": of their sum.
+        track: attach a :class:`~moebalance.LoadTracker` (``model.moebalance_tracker``).
+
+    Returns:
+        ``model``, its experts replaced by :class:`HFExpertSlots` (this rank's slots only).
+    """
+    from ..planner import plan
+    from ..tracker import attach
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    if grad_scale not in GRAD_SCALES:
+        raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
+    blocks = _moe_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no MoE layer wrap() can serve: it looks for blocks whose "
+            f"router (`gate` / `router`) sits beside an `experts` module with fused gate_up_proj / "
+            f"down_proj parameters (transformers 5.x Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, "
+            f"DeepSeek-V3, GPT-OSS); a dense model needs no expert parallelism")
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if topology.num_devices != world:
+        raise ValueError(f"topology has {topology.num_devices} devices but the group has {world} "
+                         f"ranks; describe one device per rank")
+    num_experts = {block.experts.gate_up_proj.shape[0] for _, block, _ in blocks}
+    if len(num_experts) != 1:
+        raise ValueError(f"the MoE blocks have different expert counts {sorted(num_experts)}; one "
+                         f"placement covers blocks of one expert count")
+    E = num_experts.pop()
+    if topology.num_slots < E:
+        raise ValueError(f"topology has {topology.num_slots} expert slots per layer in all, fewer "
+                         f"than the {E} experts of each MoE block; give the devices at least "
+                         f"{-(-E // topology.num_devices)} slots each")
+    if placement is None:
+        placement = plan(np.ones((len(blocks), E)), topology)
+    elif not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a moebalance.Placement or None, got {type(placement).__name__}")
+    if placement.num_layers != len(blocks) or placement.num_experts != E:
+        raise ValueError(f"placement has {placement.num_layers} layers of {placement.num_experts} "
+                         f"experts; the model has {len(blocks)} MoE blocks of {E}: plan one row "
+                         f"per MoE block, in module order")
+    placement.validate(topology)
+    scale = 1.0 / world if grad_scale == "mean" else 1.0
+    if nodes is None:
+        nodes = topology.node
+    for layer, (_, block, router) in enumerate(blocks):
+        original = block.experts
+        block.experts = HFExpertSlots(original, router, placement, layer, group, exchange=exchange,
+                                      nodes=nodes, grad_scale=scale, resplit=resplit,
+                                      speeds=topology.speed if resplit else None)
+        del original
+    if world > 1:
+        slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}
+        dense = [p for p in model.parameters() if id(p) not in slot_ids]
+        model.moebalance_sync = GradientSync(group, None, (), dense, scale=scale)
+    model.moebalance_topology = topology
+    if track:
+        model.moebalance_tracker = attach(model)
+    return model
+
+
+def unwrap_state_dict(model: nn.Module) -> dict:
+    """The wrapped model's state dict in transformers' own layout (every expert, by id). Collective."""
+    from ..checkpoint import expert_state_dict
+
+    return expert_state_dict(model)["model"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """A plain transformers model (a new one, same config) holding the wrapped model's weights.
+
+    Collective: every rank of the group calls it; each gets the whole model. Its logits equal the
+    wrapped model's. Needs ``type(model)(model.config)`` to build the model, as every
+    transformers ``PreTrainedModel`` does.
+    """
+    state = unwrap_state_dict(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no transformers config; use "
+                         f"unwrap_state_dict(model) and load it into the plain model yourself")
+    plain = type(model)(config)
+    plain.to(next(model.parameters()).dtype)
+    plain.load_state_dict(state, strict=True)
+    return plain
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None:
+    """Write the wrapped model as a plain transformers checkpoint (``from_pretrained`` loads it),
+    with the placement beside it (``moebalance_placement.npz``). Collective; rank 0 writes."""
+    plain = unwrap(model)
+    placement = current_placement(model)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        plain.save_pretrained(path, **kwargs)
+        placement.save(os.path.join(os.fspath(path), "moebalance_placement.npz"))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
