@@ -18,7 +18,8 @@ forward*: between the two nothing changes the expert's weights or optimizer stat
 staged copy is the expert. The transfers overlap with everything that runs in between (the
 loader, the layers before it in the forward). A layer whose staged rows meet an optimizer step
 before they commit (the layer did not run a forward in that step) is stale: the optimizer's step
-pre-hook drops it and it is sent again at the next boundary. Keeping a staged copy current by
+post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
+as Lightning runs it, commits before the update, which is as exact.) Keeping a staged copy current by
 replaying the optimizer update on it would avoid that resend, but only by re-implementing every
 optimizer; a resend is one more transfer of the same bytes.
 
@@ -419,7 +420,7 @@ class Migration:
     Use:
         ``commit(layer)`` before the layer's forward (the layer's module does it); ``wait()`` to
         finish everything now (e.g. before a checkpoint); ``done``, ``error``, ``report()``.
-        The optimizer's step hooks drop stale staging and start the next layers by themselves.
+        The optimizer's step post-hook resends stale staging and starts the next layers.
 
     Callbacks: ``on_commit(layer, fn)`` registers ``fn(layer)``, called on every rank right after
     the layer's rows are in place (swap placement, routing and gradient-sync tables there).
@@ -445,8 +446,7 @@ class Migration:
         self._hooks = []
         self._gloo = migrator.world_size == 1 or dist.get_backend(migrator.group) == "gloo"
         if optimizer is not None:
-            self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
-                           optimizer.register_step_post_hook(self._after_optimizer_step)]
+            self._hooks = [optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._start_next()
 
     # -- state -------------------------------------------------------------------------------------
@@ -680,25 +680,26 @@ class Migration:
 
     # -- optimizer step hooks --------------------------------------------------------------------
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        # Staged rows of a layer that has not committed go stale with this step: send again.
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        # Rows staged before this update and not committed by now (the layer ran no forward in
+        # this step) no longer equal their expert: send them again, now. A commit inside the
+        # step's closure (Lightning runs forward and backward inside optimizer.step) came before
+        # the update, so it is exact and the layer is no longer here.
+        self._optimizer_steps += 1
         stale = sorted(self._transfers)
+        for layer in stale:
+            transfer = self._transfers.pop(layer)
+            self.bytes_sent -= transfer.bytes_sent
+            for work in transfer.works:
+                if not isinstance(work, _Failed):
+                    try:
+                        work.wait(timedelta(seconds=self.migrator.timeout_s))
+                    except Exception:  # noqa: BLE001 - the resend reports a real failure
+                        pass
         if stale:
-            for layer in stale:
-                transfer = self._transfers.pop(layer)
-                self.bytes_sent -= transfer.bytes_sent
-                for work in transfer.works:
-                    if not isinstance(work, _Failed):
-                        try:
-                            work.wait(timedelta(seconds=self.migrator.timeout_s))
-                        except Exception:  # noqa: BLE001 - the resend will report a real failure
-                            pass
             self._queue = stale + self._queue
             self.resends += len(stale)
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._optimizer_steps += 1
-        if not self.done and not self._transfers:
+        if not self.done:
             self._start_next()
 
 

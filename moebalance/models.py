@@ -28,7 +28,7 @@ from .nn import DenseMoE, ExpertParallelMoE
 from .placement import Placement
 from .replica_sync import GradientSync
 
-__all__ = ["MoELanguageModel", "lm_loss", "stdlib_corpus", "TextBatches"]
+__all__ = ["MoELanguageModel", "lm_loss", "stdlib_corpus", "TextBatches", "tiny_hf_moe"]
 
 VOCAB = 256
 
@@ -143,3 +143,44 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, global_tokens: i
     """Summed next-byte cross entropy over ``global_tokens`` (all ranks' tokens of the step)."""
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(),
                            reduction="sum") / global_tokens
+
+
+def tiny_hf_moe(family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8, top_k: int = 2,
+                hidden: int = 64, expert_hidden: int = 64, vocab: int = VOCAB, seed: int = 0):
+    """A small random-init transformers 5.x MoE causal LM (no download), the same on every rank.
+
+    Args:
+        family: "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" or "gpt_oss".
+        layers, experts, top_k, hidden, expert_hidden, vocab: sizes (bytes: vocab 256).
+        seed: weights from this seed.
+    """
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=expert_hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, num_experts_per_tok=top_k,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    head_dim = hidden // 4
+    configs = {
+        "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=experts,
+                                            router_jitter_noise=0.0),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, num_experts=experts,
+                                               moe_intermediate_size=expert_hidden,
+                                               shared_expert_intermediate_size=expert_hidden),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=experts, head_dim=head_dim,
+                                               moe_intermediate_size=expert_hidden, norm_topk_prob=True),
+        "olmoe": lambda: tf.OlmoeConfig(**common, num_experts=experts, eos_token_id=None,
+                                        pad_token_id=None),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, n_routed_experts=experts,
+            moe_intermediate_size=expert_hidden, n_group=2, topk_group=1, first_k_dense_replace=0,
+            n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8),
+        "gpt_oss": lambda: tf.GptOssConfig(**common, num_local_experts=experts, head_dim=head_dim,
+                                           layer_types=["full_attention"] * layers),
+    }
+    if family not in configs:
+        raise ValueError(f"family must be one of {sorted(configs)}, got {family!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return tf.AutoModelForCausalLM.from_config(configs[family]())

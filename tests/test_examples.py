@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -23,3 +26,27 @@ def test_train_rebalance_example_migrates_and_plots(tmp_path):
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "re-plan:" in proc.stdout and out.is_file() and out.with_suffix(".json").is_file()
+
+
+def _run_example(name: str, *args: str, timeout: int = 500) -> str:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                    or importlib.util.find_spec("accelerate") is None,
+                    reason="needs transformers and accelerate")
+def test_hf_trainer_example_trains_a_wrapped_model_with_a_live_migration(tmp_path):
+    out = _run_example("hf_trainer_rebalance.py", "--steps", "6", "--every", "3",
+                       "--out", str(tmp_path / "ckpt"))
+    assert "re-plan:" in out and " 0 moves" not in out.split("re-plan:")[1].split("\n")[0]
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    assert (tmp_path / "ckpt" / "moebalance_placement.npz").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs Lightning")
+def test_lightning_example_trains_a_wrapped_model_with_a_live_migration():
+    out = _run_example("lightning_rebalance.py", "--steps", "6", "--every", "3")
+    assert "re-plan:" in out and "moves" in out

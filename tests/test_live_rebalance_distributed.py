@@ -442,8 +442,33 @@ def global_norm_clipping_equals_single_process_clipping():
         mb.clip_grad_norm_(model, 0)
 
 
+def stale_staging_is_sent_again_after_an_optimizer_step():
+    dtype = torch.float64
+    fixed, moving = _trained(dtype), _trained(dtype)
+    migration = apply_placement(moving[0], placements_for(8), moving[1], blocking=False)
+    for model, optimizer in (fixed, moving):
+        optimizer.step()            # an update no forward preceded: the staged rows go stale
+    assert migration.report()["resends"] == 2 and not migration.done
+    for step in range(3, 6):
+        a = train_step(*fixed, step, dtype)
+        b = train_step(*moving, step, dtype)
+        assert b == pytest.approx(a, rel=1e-10)
+    assert migration.done and migration.error is None
+    compare_states(checkpoint.expert_state_dict(*fixed), checkpoint.expert_state_dict(*moving),
+                   rtol=1e-10, atol=1e-13)
+
+
+def layer_input_of_the_wrong_width_on_one_rank_raises_everywhere():
+    model = Net(placements_for(0), torch.float32)
+    width = D + 1 if dist.get_rank() == 3 else D
+    with pytest.raises(ValueError, match="hidden_states|rank"):
+        model.l0(torch.randn(5, width))
+
+
 CASES = [
     live_placement_attributes_are_read_only,
+    stale_staging_is_sent_again_after_an_optimizer_step,
+    layer_input_of_the_wrong_width_on_one_rank_raises_everywhere,
     global_norm_clipping_equals_single_process_clipping,
     apply_placement_rejects_another_topology,
     replica_gradient_traffic_scales_with_replicas_held,

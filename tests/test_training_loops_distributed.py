@@ -35,6 +35,8 @@ def check_migrated(rebalancer, model):
     moved = [r for r in rebalancer.history if r["moves"] > 0]
     assert moved, rebalancer.history
     assert all(r["error"] is None and r["migration_s"] is not None for r in moved), moved
+    # Committed inside training, before the next optimizer step (not resent, not at the end).
+    assert all(r["resends"] == 0 for r in moved), moved
     assert_replicas_identical(model)
 
 

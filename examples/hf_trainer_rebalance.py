@@ -1,0 +1,83 @@
+"""A transformers MoE model, wrapped by moebalance, trained by the Hugging Face Trainer on 4 gloo ranks.
+
+A tiny Qwen3-MoE (8 experts, top-2, byte vocabulary) is made expert-parallel with mb.wrap over 4
+CPU ranks of speed 1, 1, 0.5, 0.5 (3 expert slots each) and trained on the Python standard
+library's source by transformers.Trainer; RebalanceTrainerCallback re-plans every --every steps
+and migrates experts and their AdamW state live. At the end the model goes back to a plain
+transformers checkpoint (mb.save_pretrained) that from_pretrained loads.
+
+    python examples/hf_trainer_rebalance.py [--steps 40] [--every 10] [--family qwen3_moe]
+    torchrun --standalone --nproc-per-node 4 examples/hf_trainer_rebalance.py
+
+Needs transformers and accelerate (pip install 'moebalance[transformers]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import moebalance as mb
+from moebalance.launch import launch
+from moebalance.models import TextBatches, tiny_hf_moe
+
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+SEQ, BATCH = 64, 4
+
+
+def worker(rank: int, world: int, steps: int, every: int, family: str, out: str | None) -> None:
+    import transformers
+
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+
+    model = mb.wrap(tiny_hf_moe(family, experts=8, seed=0), TOPOLOGY)
+    data = TextBatches(SEQ, BATCH, world, rank, seed=0)
+    rows = [{"input_ids": row, "labels": row} for step in range(steps) for row in data(step)]
+    rebalance = RebalanceTrainerCallback(TOPOLOGY, every=every)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=3e-3,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                       callbacks=[rebalance])
+        if rank != 0:   # one rank prints the Trainer's summary
+            trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        result = trainer.train()
+    loss = torch.tensor([result.training_loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    if rank == 0:
+        print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.3f}")
+        for r in rebalance.rebalancer.history:
+            print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
+                  f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
+                  f"migration {r['migration_s'] or 0:.3f} s")
+    target = out or tempfile.mkdtemp(prefix="moebalance-hf-") if rank == 0 else None
+    box = [target]
+    dist.broadcast_object_list(box, group_src=0)
+    mb.save_pretrained(model, box[0])
+    if rank == 0:
+        loaded = type(model).from_pretrained(box[0])
+        print(f"saved a plain {type(loaded).__name__} to {box[0]} "
+              f"({len(os.listdir(box[0]))} files, placement beside it)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    parser.add_argument("--every", type=int, default=10, help="re-plan every N steps (default 10)")
+    parser.add_argument("--family", default="qwen3_moe",
+                        help="mixtral, qwen2_moe, qwen3_moe (default), olmoe, deepseek_v3, gpt_oss")
+    parser.add_argument("--out", default=None, help="folder for the final checkpoint (default: a temp dir)")
+    args = parser.parse_args()
+    if args.steps < 1 or args.every < 1:
+        parser.error("--steps and --every must be >= 1")
+    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A transformers MoE model, wrapped by moebalance, trained by Lightning on 4 gloo ranks.
+
+A tiny Mixtral (8 experts, top-2, byte vocabulary) is made expert-parallel with mb.wrap over 4
+CPU ranks of speed 1, 1, 0.5, 0.5 (3 expert slots each) and trained on the Python standard
+library's source by a Lightning Trainer (one device per process: moebalance, not Lightning, does
+the data and expert parallelism); RebalanceCallback re-plans every --every steps and migrates
+experts and their AdamW state live, and clips by the global gradient norm.
+
+    python examples/lightning_rebalance.py [--steps 40] [--every 10] [--family mixtral]
+    torchrun --standalone --nproc-per-node 4 examples/lightning_rebalance.py
+
+Needs Lightning 2.x (pip install 'moebalance[lightning]') and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import moebalance as mb
+from moebalance.launch import launch
+from moebalance.models import TextBatches, tiny_hf_moe
+
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+SEQ, BATCH = 64, 4
+
+
+def worker(rank: int, world: int, steps: int, every: int, family: str) -> None:
+    import lightning as L
+
+    from moebalance.integrations.lightning import RebalanceCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = mb.wrap(tiny_hf_moe(family, experts=8, seed=0), TOPOLOGY)
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.losses.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    module = Module()
+    rebalance = RebalanceCallback(TOPOLOGY, every=every)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=1.0, callbacks=[rebalance])
+    data = TextBatches(SEQ, BATCH, world, rank, seed=0)
+    rows = [row for step in range(steps) for row in data(step)]
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=BATCH))
+    first_last = torch.tensor([module.losses[0], module.losses[-1]], dtype=torch.float64)
+    dist.all_reduce(first_last)
+    if rank == 0:
+        print(f"loss (mean over ranks): first step {float(first_last[0]) / world:.3f}, "
+              f"last step {float(first_last[1]) / world:.3f}")
+        for r in rebalance.rebalancer.history:
+            print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
+                  f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
+                  f"migration {r['migration_s'] or 0:.3f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    parser.add_argument("--every", type=int, default=10, help="re-plan every N steps (default 10)")
+    parser.add_argument("--family", default="mixtral",
+                        help="mixtral (default), qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss")
+    args = parser.parse_args()
+    if args.steps < 1 or args.every < 1:
+        parser.error("--steps and --every must be >= 1")
+    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family))
+
+
+if __name__ == "__main__":
+    main()
