@@ -4,6 +4,7 @@
     moebalance bench dispatch ...                     dispatch benchmark
     moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance bench resplit ...                      per-step re-split benchmark
+    moebalance bench wrap ...                         a wrapped transformers model against one process
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--loads LOADS] [--topology FILE | ...]
 
@@ -120,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
-SUB_BENCHMARKS = ("dispatch", "train", "resplit")
+SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:

@@ -13,6 +13,7 @@ process; otherwise it spawns ``world_size`` processes that meet on a free local 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from datetime import timedelta
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["launch", "under_torchrun"]
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def under_torchrun() -> bool:
@@ -40,6 +43,10 @@ def _run(rank: int, world_size: int, init_method: str | None, backend: str, time
          threads: int | None, fn: Callable, args: tuple):
     if threads is not None:
         torch.set_num_threads(threads)
+        if importlib.util.find_spec("numba") is not None:
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     if init_method is None:
         dist.init_process_group(backend, **kwargs)            # env:// from torchrun
@@ -62,8 +69,9 @@ def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str 
         args: extra positional arguments for ``fn``.
         backend: "gloo" (CPUs) or "nccl" (one GPU per rank).
         timeout_s: collective timeout, so a rank waiting on a dead peer fails instead of hanging.
-        threads: torch threads per rank (ranks sharing a few cores starve each other with more);
-            None leaves torch's default.
+        threads: torch and Numba threads per rank (ranks sharing a few cores starve each other
+            with more; spawned ranks also get OMP_NUM_THREADS and NUMBA_NUM_THREADS unless set);
+            None leaves the defaults.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -72,5 +80,19 @@ def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str 
              threads, fn, args)
         return
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_run, args=(world_size, init, backend, timeout_s, threads, fn, args),
-             nprocs=world_size, join=True)
+    # Thread pools must be sized before the children import torch and Numba: ranks that share
+    # cores and each spin an OpenMP pool of all of them run many times slower (torchrun sets
+    # OMP_NUM_THREADS=1 for the same reason).
+    saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}
+    if threads is not None:
+        for name in _THREAD_VARIABLES:
+            os.environ.setdefault(name, str(threads))
+    try:
+        mp.spawn(_run, args=(world_size, init, backend, timeout_s, threads, fn, args),
+                 nprocs=world_size, join=True)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,11 @@
+"""A wrapped transformers MoE model against one process: see moebalance/benchmarks/wrap.py.
+
+    python benchmarks/wrap_bench.py [--quick]         # same as: moebalance bench wrap [--quick]
+"""
+
+import sys
+
+from moebalance.benchmarks.wrap import main
+
+if __name__ == "__main__":
+    sys.exit(main())
