@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,8 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
-from .report import format_markdown, format_text, machine_info
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
+from .report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "What a live expert migration costs a training step (4 gloo ranks)."
 
@@ -266,10 +265,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(table)
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "result": result},
                                                  indent=2) + "\n", encoding="utf-8")
-    md = ["# moebalance train benchmark", "",
-          f"- machine: {info['cpu']}, {info['cores']} cores",
-          f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
-          f"- command: {info['command']}", f"- date: {info['timestamp']}",
+    md = markdown_header("moebalance train benchmark", info) + [
           f"- {args.ranks} gloo ranks (speeds {result['speeds']}), one thread each; 4 MoE layers x 16 "
           f"experts, D={args.hidden}, F={args.ffn}, {args.slots} slots per rank; AdamW", "",
           format_markdown(COLUMNS, rows), "",
@@ -283,9 +279,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench train`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench train", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "train", *argv]),
-                       prog="moebalance bench train")
+    return run_subcommand("train", DESCRIPTION, add_arguments, run, argv)

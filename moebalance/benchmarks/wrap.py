@@ -24,14 +24,13 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
-from .report import format_markdown, format_text, machine_info
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
+from .report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "A wrapped transformers MoE model's training step on gloo ranks, against one process."
 
@@ -231,10 +230,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"note: {line}")
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "single_s": single,
                                                   "result": result}, indent=2) + "\n", encoding="utf-8")
-    md = ["# moebalance wrap benchmark", "", f"- machine: {info['cpu']}, {info['cores']} cores",
-          f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
-          f"- command: {info['command']}", f"- date: {info['timestamp']}", "",
-          format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes]
+    md = markdown_header("moebalance wrap benchmark", info) + ["", format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes]
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
     return 0
@@ -242,9 +238,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench wrap`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench wrap", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "wrap", *argv]),
-                       prog="moebalance bench wrap")
+    return run_subcommand("wrap", DESCRIPTION, add_arguments, run, argv)
