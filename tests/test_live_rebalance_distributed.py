@@ -69,7 +69,7 @@ def make_optimizer(model, kind: str):
 
 
 def train_step(model, optimizer, step, dtype, world=WORLD, group=None) -> float:
-    x, target = batch(step, dtype, world)
+    x, target = batch(step, dtype, world, rank=dist.get_rank(group))
     optimizer.zero_grad()
     loss = (model(x) - target).pow(2).sum() / (world * TOKENS)
     loss.backward()
@@ -465,6 +465,41 @@ def layer_input_of_the_wrong_width_on_one_rank_raises_everywhere():
         model.l0(torch.randn(5, width))
 
 
+def shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there():
+    from moebalance.elastic import replan_onto
+
+    dtype = torch.float64
+    four = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS)
+    three = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5], slots=[4, 4, 4])
+    model, optimizer = _trained(dtype)
+    box = [tempfile.mkdtemp(prefix="moebalance-shrink-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, group_src=0)
+    path = os.path.join(box[0], "experts.pt")
+    checkpoint.save(path, model, optimizer)
+    loads = np.arange(1, 2 * E + 1, dtype=np.float64).reshape(2, E)
+    # Rank 3 is lost: the three others go on, its experts restored from the checkpoint.
+    shrunk = replan_onto(loads, three, current_placement(model), device_map=[0, 1, 2, -1])
+    held_by_lost = {(l, int(e)) for l in range(2) for e in current_placement(model).phy2log[l, 9:]}
+    alive = {(l, int(e)) for l in range(2) for e in current_placement(model).phy2log[l, :9]}
+    assert set(shrunk.restores) == held_by_lost - alive
+    assert shrunk.kept == 18 and shrunk.moves >= len(shrunk.restores)
+    shrunk.placement.validate(three)
+    trio = dist.new_group([0, 1, 2])
+    if dist.get_rank() < 3:
+        losses = {}
+        for name, placement in (("shrunk", shrunk.placement), ("fresh", mb.plan(loads, three))):
+            small = Net(placement, dtype, group=trio)
+            small_opt = make_optimizer(small, "adamw")
+            checkpoint.load(path, small, small_opt)
+            losses[name] = [train_step(small, small_opt, step, dtype, world=3, group=trio)
+                            for step in range(10, 16)]
+        np.testing.assert_allclose(losses["shrunk"], losses["fresh"], rtol=1e-10, atol=0)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(path)
+        os.rmdir(box[0])
+
+
 CASES = [
     live_placement_attributes_are_read_only,
     stale_staging_is_sent_again_after_an_optimizer_step,
@@ -480,6 +515,7 @@ CASES = [
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
+    shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there,
     rebalancer_plain_loop_drives_migrations_and_keeps_losses,
     failed_transfer_on_one_rank_keeps_old_placement_everywhere,
     rank_that_never_sends_fails_migration_without_hang,

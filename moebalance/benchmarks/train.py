@@ -15,7 +15,8 @@ right before its forward. Figures:
   compute beside it), per MB;
 * replica gradient reduction: bytes each rank sends per step (holders only) against the dense
   all-reduce of every replicated expert, on a placement planned for the shipped router trace, where
-  ranks hold different numbers of replicas.
+  ranks hold different numbers of replicas; and, computed from the same exchange tables, for a
+  DeepSeek-V3-sized placement (58 x 256 on 320 slots of 64 devices).
 
 Writes ``results.json`` and ``summary.md`` under ``--out``.
 """
@@ -26,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,12 +34,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
-from .report import format_markdown, format_text, machine_info
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
+from .report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "What a live expert migration costs a training step (4 gloo ranks)."
 
-FULL = dict(warmup=5, base_steps=8, trials=4)
+FULL = dict(warmup=5, base_steps=8, trials=8)
 QUICK = dict(warmup=2, base_steps=4, trials=2)
 
 
@@ -179,6 +179,26 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         Path(result_path).write_text(json.dumps(result), encoding="utf-8")
 
 
+def sync_bytes_at_scale(row_bytes: int = 3 * 7168 * 2048 * 2) -> dict:
+    """Replica gradient traffic per rank and step for a DeepSeek-V3-sized placement (computed,
+    not timed): 58 layers x 256 experts planned onto 320 slots of 64 devices for the built-in
+    moderate workload; one expert row is 3 x 7168 x 2048 bf16 elements."""
+    import moebalance as mb
+    from moebalance.replica_sync import HolderExchange
+    from moebalance.workloads import synthetic_loads
+
+    topology = mb.Topology.uniform(num_devices=64, slots_per_device=5, devices_per_node=8)
+    placement = mb.plan(synthetic_loads("moderate", seed=0), topology)
+    rows = np.zeros(64, dtype=np.int64)
+    for layer in range(placement.num_layers):
+        for g in range(64):
+            rows[g] += HolderExchange(placement.phy2log[layer], placement.slot_device, g, 0).rows_sent
+    replicated = int((placement.replicas > 1).sum())
+    dense = 2 * 63 / 64 * replicated * row_bytes
+    return {"holder_max": int(rows.max()) * row_bytes, "holder_median": float(np.median(rows)) * row_bytes,
+            "dense": dense, "replicated_experts": replicated}
+
+
 COLUMNS = ["figure", "value", "target"]
 
 
@@ -235,16 +255,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ["  dense all-reduce of every replicated expert (KB per rank)",
          f"{result['dense_bytes_per_rank'] / 1e3:.0f}", ""],
     ]
+    scale = sync_bytes_at_scale()
+    rows.append(["replica grad sync at DeepSeek-V3 size (GB per rank per step, bf16; max / median)",
+                 f"{scale['holder_max'] / 1e9:.2f} / {scale['holder_median'] / 1e9:.2f}", ""])
+    rows.append([f"  dense all-reduce of all {scale['replicated_experts']} replicated experts (GB per rank)",
+                 f"{scale['dense'] / 1e9:.1f}", ""])
+    result["at_scale"] = scale
     info = machine_info(argv)
     table = format_text(COLUMNS, rows)
     print()
     print(table)
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "result": result},
                                                  indent=2) + "\n", encoding="utf-8")
-    md = ["# moebalance train benchmark", "",
-          f"- machine: {info['cpu']}, {info['cores']} cores",
-          f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
-          f"- command: {info['command']}", f"- date: {info['timestamp']}",
+    md = markdown_header("moebalance train benchmark", info) + [
           f"- {args.ranks} gloo ranks (speeds {result['speeds']}), one thread each; 4 MoE layers x 16 "
           f"experts, D={args.hidden}, F={args.ffn}, {args.slots} slots per rank; AdamW", "",
           format_markdown(COLUMNS, rows), "",
@@ -258,9 +281,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench train`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench train", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "train", *argv]),
-                       prog="moebalance bench train")
+    return run_subcommand("train", DESCRIPTION, add_arguments, run, argv)

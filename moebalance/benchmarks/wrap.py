@@ -7,8 +7,9 @@ with AdamW on the standard library's source:
   thread too);
 * wrapped: ``mb.wrap`` over ``--ranks`` gloo ranks, each its slice of the same global batch;
   step time of the slowest rank, ranks aligned by an untimed barrier before each step;
-* transformers' own expert parallelism (``DistributedConfig(ep_size=ranks)``) on the same gloo
-  ranks, where it runs; the error it gives is reported where it does not.
+* transformers' own expert parallelism (``from_pretrained(..., distributed_config=
+  DistributedConfig(fsdp_size=ranks, ep_size=ranks))``: experts sharded in contiguous blocks, the
+  rest FSDP-sharded) on the same gloo ranks, where it runs; its error is reported where it does not.
 
 Wrapper overhead: per step, the time the wrapped experts modules spend outside the dispatcher's
 ``dispatch`` / ``combine`` and the expert arithmetic (splitting rows by slot, joining results,
@@ -21,15 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
-from .report import format_markdown, format_text, machine_info
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
+from .report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "A wrapped transformers MoE model's training step on gloo ranks, against one process."
 
@@ -146,9 +147,14 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     try:
         import transformers as tf
 
-        config = _build(cfg).config
-        ep_model = tf.AutoModelForCausalLM.from_config(
-            config, distributed_config=tf.DistributedConfig(ep_size=world))
+        # from_pretrained is the entry point that takes a distributed_config: save, then load.
+        box = [tempfile.mkdtemp(prefix="moebalance-hf-ep-") if rank == 0 else None]
+        dist.broadcast_object_list(box, group_src=0)
+        if rank == 0:
+            _build(cfg).save_pretrained(box[0])
+        dist.barrier()
+        ep_model = tf.AutoModelForCausalLM.from_pretrained(
+            box[0], distributed_config=tf.DistributedConfig(fsdp_size=world, ep_size=world))
         ep_opt = torch.optim.AdamW(ep_model.parameters(), lr=1e-3)
         ep_times = []
         for step in range(cfg["warmup"] + cfg["steps"]):
@@ -161,6 +167,9 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
             if step >= cfg["warmup"]:
                 ep_times.append(slowest(time.perf_counter() - start))
         hf_ep = {"ran": True, "times": ep_times}
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
     except Exception as exc:  # noqa: BLE001 - reported, the benchmark goes on
         hf_ep = {"ran": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     flags = [None] * world
@@ -204,10 +213,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     hf = result["hf_ep"]
     if hf["ran"]:
         t = statistics.median(hf["times"])
-        rows.append([f"transformers ep_size={args.ranks}, gloo", f"{t * 1e3:.1f}", f"{tokens / t:.0f}",
+        rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", f"{t * 1e3:.1f}", f"{tokens / t:.0f}",
                      f"{base / t:.2f}x"])
     else:
-        rows.append([f"transformers ep_size={args.ranks}, gloo", "did not run", "", ""])
+        rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", "did not run", "", ""])
     glue = result["glue_share"]
     notes = [f"wrapper overhead (experts module time outside dispatch, combine and expert "
              f"arithmetic), share of the step per rank: "
@@ -221,10 +230,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"note: {line}")
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "single_s": single,
                                                   "result": result}, indent=2) + "\n", encoding="utf-8")
-    md = ["# moebalance wrap benchmark", "", f"- machine: {info['cpu']}, {info['cores']} cores",
-          f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
-          f"- command: {info['command']}", f"- date: {info['timestamp']}", "",
-          format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes]
+    md = markdown_header("moebalance wrap benchmark", info) + ["", format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes]
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
     return 0
@@ -232,9 +238,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench wrap`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench wrap", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "wrap", *argv]),
-                       prog="moebalance bench wrap")
+    return run_subcommand("wrap", DESCRIPTION, add_arguments, run, argv)
