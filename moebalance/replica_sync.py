@@ -18,7 +18,7 @@ the autograd engine waits for the exchange when backward ends and adds the sum t
 ``.grad`` then holds ``previous + sum of increments`` on every replica, bit-identical, also under
 gradient accumulation, and it is final when ``backward()`` returns, before any gradient clipping.
 Parameters replicated on every rank (a router, embeddings) use the same path with an all-reduce
-(SUM) of the whole increment.
+(SUM) of the whole increment, in buckets of a few MB launched in a fixed order as they fill.
 
 Legend: Ls local slots, n local slots of replicated experts, H most replicas of any expert of the
 layer, G ranks.
@@ -155,6 +155,7 @@ class GradientSync:
         self._handles = []
         for kind, param in enumerate(slot_params):
             self._handles.append(param.register_hook(self._slot_hook(param, kind)))
+        self._make_buckets()
         for param in self.group_params:
             self._handles.append(param.register_hook(self._group_hook(param)))
 
@@ -169,6 +170,9 @@ class GradientSync:
             Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
+        if self.group_params:
+            self._launch_ready(everything=True)
+            self._launched = 0
         pending, self._pending, self._queued = self._pending, [], False
         for step in pending:
             step()
@@ -199,20 +203,59 @@ class GradientSync:
         return reduce_replicas
 
     def _group_hook(self, param: torch.nn.Parameter):
+        bucket = self._bucket_of[id(param)]
+
         def sum_over_group(grad: torch.Tensor):
             if not self.enabled:
                 return None
-            total = grad.detach().clone()
-            work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-            def add_sum():
-                work.wait()
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                param.grad += total if self.scale == 1.0 else total * self.scale
-
-            self._pending.append(add_sum)
+            self._ready[bucket][id(param)] = grad.detach()
+            if len(self._ready[bucket]) == len(self._buckets[bucket]):
+                self._launch_ready()
             self._queue_finish()
             return torch.zeros_like(grad)
 
         return sum_over_group
+
+    # Replicated tensors travel in buckets of about BUCKET_BYTES, each one all-reduce, launched in
+    # bucket order (the same on every rank, as collectives must be) as soon as a bucket's last
+    # gradient arrives; whatever backward did not reach goes as zeros when backward ends.
+    BUCKET_BYTES = 4 << 20
+
+    def _make_buckets(self) -> None:
+        self._buckets: list[list[torch.nn.Parameter]] = []
+        self._bucket_of: dict[int, int] = {}
+        size = 0
+        # Reverse order of registration is roughly the order in which backward produces them.
+        for param in reversed(self.group_params):
+            if not self._buckets or size + param.numel() * param.element_size() > self.BUCKET_BYTES:
+                self._buckets.append([])
+                size = 0
+            self._bucket_of[id(param)] = len(self._buckets) - 1
+            self._buckets[-1].append(param)
+            size += param.numel() * param.element_size()
+        self._ready: list[dict] = [{} for _ in self._buckets]
+        self._launched = 0
+
+    def _launch_ready(self, everything: bool = False) -> None:
+        while self._launched < len(self._buckets):
+            index = self._launched
+            ready = self._ready[index]
+            params = self._buckets[index]
+            if not everything and len(ready) < len(params):
+                return
+            flat = torch.cat([ready[id(p)].reshape(-1) if id(p) in ready else p.new_zeros(p.numel())
+                              for p in params])
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._pending.append(lambda work=work, flat=flat, params=params: self._add_bucket(
+                work, flat, params))
+            self._ready[index] = {}
+            self._launched += 1
+
+    def _add_bucket(self, work, flat: torch.Tensor, params) -> None:
+        work.wait()
+        if self.scale != 1.0:
+            flat = flat * self.scale
+        for param, part in zip(params, flat.split([p.numel() for p in params])):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad += part.view_as(param)
