@@ -39,6 +39,8 @@ need a host sync per step; ``LoadTracker(..., check=True)`` does exactly that, f
 from __future__ import annotations
 
 import operator
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,6 +52,9 @@ from ._arrays import positive_int
 ROUTER_CHILD_NAMES = ("gate", "router")
 # Config fields that hold the number of routed experts, by model family.
 _CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Router module -> the tracker attach() hooked it for: a second tracker on the same router would
+# count every token twice over two trackers without a word. Weak both ways: it keeps neither alive.
+_TRACKER_OF_ROUTER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class LoadSnapshot:
@@ -366,6 +371,9 @@ class LoadTracker:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for router, owner in list(_TRACKER_OF_ROUTER.items()):
+            if owner() is self:
+                del _TRACKER_OF_ROUTER[router]
 
     @property
     def attached(self) -> bool:
@@ -446,7 +454,8 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
         The tracker, with ``layer_names`` (router module name per layer index) and ``detach()``.
 
     Forward passes recomputed during backward (activation checkpointing) are not recorded a
-    second time. Raises ValueError when the model has no router.
+    second time. Raises ValueError when the model has no router, or when its routers already
+    record into another attached tracker (detach that one first).
     """
     routers = find_routers(model)
     if not routers:
@@ -477,6 +486,17 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
             )
         if tracker.attached:
             raise ValueError("tracker is already attached to a model; call tracker.detach() first")
+    for name, router, _ in routers:
+        owner = _TRACKER_OF_ROUTER.get(router)
+        other = owner() if owner is not None else None
+        if other is not None and other.attached:
+            raise ValueError(
+                f"router {name} of this model already records into a LoadTracker ({other!r}); a "
+                f"second one would count every token again. Use that tracker (attach() returned "
+                f"it), or call its detach() before attaching another"
+            )
+    for _, router, _ in routers:
+        _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
     tracker.layer_names = [name for name, _, _ in routers]
     tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
                       for layer, (name, router, _) in enumerate(routers)]
