@@ -274,7 +274,11 @@ class Placement:
         # save() appends .npz to a bare path; find the file under the name save() was given.
         if not os.path.exists(path) and os.path.exists(path + ".npz"):
             path += ".npz"
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path} holds one numpy array, not a saved moebalance Placement (the "
+                             f".npz archive Placement.save writes)")
+        with data:
             if "phy2log" not in data or "share" not in data:
                 raise ValueError(f"{path} is not a saved moebalance Placement")
             placement = cls(phy2log=data["phy2log"], share=data["share"],

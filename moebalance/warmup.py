@@ -6,6 +6,7 @@ above them; :mod:`moebalance.backends`, which they import, only reports whether 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -16,7 +17,28 @@ from .nn import DenseMoE, ExpertParallelMoE
 from .planner import plan, rebalance_experts
 from .topology import Topology
 
-__all__ = ["warm_up"]
+__all__ = ["warm_up", "jit_counts"]
+
+
+def jit_counts() -> tuple[int, int]:
+    """``(loaded, compiled)``: Numba kernels this process has so far loaded from Numba's on-disk
+    cache, and compiled afresh (one per kernel and signature), over the planner and dispatch
+    kernels; ``(0, 0)`` without Numba. Take it before and after a call to see what it did."""
+    if not has_numba():
+        return 0, 0
+    from numba.core.registry import CPUDispatcher
+
+    from .planner import _jit
+
+    kernels = list(vars(_jit.compiled()).values())
+    dispatch = sys.modules.get("moebalance.dispatch.numba_kernels")  # only once something used it
+    if dispatch is not None:
+        kernels += [k for k in vars(dispatch).values() if isinstance(k, CPUDispatcher)]
+    loaded = compiled = 0
+    for k in kernels:
+        loaded += sum(k.stats.cache_hits.values())
+        compiled += sum(k.stats.cache_misses.values())
+    return loaded, compiled
 
 
 def warm_up() -> dict[str, float]:
