@@ -6,7 +6,8 @@ from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker, attach
 from .dispatch import Dispatcher
-from .nn import ExpertParallelMoE
+from .nn import ExpertParallelMoE, apply_placement, current_placement, reduce_replica_gradients
+from .migrate import MigrationError, plan_migration
 
 __version__ = "0.1.0"
 
@@ -15,11 +16,14 @@ __all__ = [
     "imbalance", "balancedness", "summary_imbalance",
     "backends", "force_backend", "using_backend", "warm_up",
     "LoadTracker", "attach",
-    "Dispatcher", "ExpertParallelMoE",
+    "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
+    "reduce_replica_gradients", "plan_migration", "MigrationError",
     "__version__",
 ]
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
+from .integrations import Rebalancer  # noqa: E402  (joins tracker, planner, migrate and nn)
+from . import checkpoint  # noqa: E402,F401
 
-__all__ += ["plan", "rebalance_experts"]
+__all__ += ["plan", "rebalance_experts", "Rebalancer", "checkpoint"]

@@ -6,12 +6,14 @@
 forward routes, dispatches the token rows to replicas by the placement's token shares, runs the
 SwiGLU experts of each local slot and combines. :class:`DenseMoE` is the same layer on one device,
 a plain loop over experts; with equal weights the two give equal outputs and gradients under any
-placement and any world size (DESIGN invariant 2).
+placement and any world size.
 
-Replicas start identical and stay identical when every rank calls
-:func:`reduce_replica_gradients` (or the method of the same name) after backward and before the
-optimizer step: it sums the gradients of each expert's replicas, so every replica receives the
-gradient of the whole logical expert, and sums the router's gradient over the ranks.
+Replicas start identical and stay identical: during backward each replica's gradient becomes
+the sum over the replicas of its expert, exchanged among the expert's holders only, and the
+router's gradient is summed over the ranks (:mod:`moebalance.replica_sync`); the gradients are
+final when ``backward()`` returns. A live placement changes only through
+:func:`apply_placement` (weights and optimizer state move with their rows, see
+:mod:`moebalance.migrate`).
 
 Legend: T tokens, D hidden size, F expert hidden size, E logical experts, K top-k, Ls slots on
 this rank, M rows this rank's slots receive, R experts of the layer with more than one replica,
@@ -27,9 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch.dispatcher import Dispatcher
+from .migrate import Migrator, plan_migration, row_bytes
 from .placement import Placement
+from .replica_sync import GradientSync, HolderExchange
 
-__all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients"]
+__all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
+           "apply_placement", "current_placement", "moe_layers"]
 
 
 def _positive_int(value, name: str) -> int:
@@ -223,22 +228,31 @@ class ExpertParallelMoE(nn.Module):
         exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); nodes: the
             node of each rank, to keep tokens on their node; see
             :class:`~moebalance.dispatch.Dispatcher`.
+        grad_sync: "backward" (default): replica and router gradients are reduced during
+            backward and are final when ``backward()`` returns (before gradient clipping);
+            "manual": call :func:`reduce_replica_gradients` after backward.
+        sync_router: sum the router's gradient over the group (it is replicated on every rank).
+            False when something else reduces it (a DDP wrapper over the non-expert parameters).
 
-    Attributes: ``router``; ``experts`` (:class:`SlotExperts`, ``gate_up [Ls, 2F, D]``,
-    ``down [Ls, D, F]``); ``dispatcher`` (:class:`~moebalance.dispatch.Dispatcher`);
-    ``placement``, ``layer``; ``local_experts`` ([Ls] int64, logical expert of each local slot).
+    Attributes (read-only; a live placement changes only through :meth:`apply_placement`):
+    ``placement``, ``layer``, ``local_experts`` ([Ls] int64, logical expert of each local slot).
+    Also ``router``; ``experts`` (:class:`SlotExperts`, ``gate_up [Ls, 2F, D]``,
+    ``down [Ls, D, F]``); ``dispatcher`` (:class:`~moebalance.dispatch.Dispatcher`).
 
-    Gradient sync: call :meth:`reduce_replica_gradients` (or the module-level
-    :func:`reduce_replica_gradients` for a whole model, one all-reduce for all its layers) on
-    every rank after backward and before ``optimizer.step()``. Keep the experts out of any
-    data-parallel wrapper: DDP would average each slot with whatever unrelated expert the other
-    ranks hold in the same slot row.
+    Keep the experts out of any data-parallel wrapper: DDP would average each slot with whatever
+    unrelated expert the other ranks hold in the same slot row.
+
+    Checkpoints: ``state_dict()`` holds this rank's slot rows and, as extra state, the layer's
+    placement row, so a per-rank checkpoint resumes the placement it was saved under. To load
+    into another placement or world size (or a :class:`DenseMoE`), save by logical expert with
+    :mod:`moebalance.checkpoint`.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
-                 exchange: str = "auto", nodes=None) -> None:
+                 exchange: str = "auto", nodes=None, grad_sync: str = "backward",
+                 sync_router: bool = True) -> None:
         super().__init__()
         self.hidden_dim = _positive_int(hidden_size, "hidden_size")
         self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
@@ -249,6 +263,8 @@ class ExpertParallelMoE(nn.Module):
         if placement.num_experts != self.num_experts:
             raise ValueError(f"placement has {placement.num_experts} experts but num_experts="
                              f"{num_experts}; plan the placement for this layer's experts")
+        if grad_sync not in GRAD_SYNC:
+            raise ValueError(f"grad_sync must be one of {list(GRAD_SYNC)}, got {grad_sync!r}")
         self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes)
         if router is None:
             router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
@@ -258,10 +274,37 @@ class ExpertParallelMoE(nn.Module):
         self.router = router
         local = self.dispatcher.local_slots(placement, layer)
         self.experts = SlotExperts(len(local), hidden_size, ffn_hidden_size)
+        self._pending = None
         self._set_placement(placement, layer)
+        self.grad_sync = grad_sync
+        self.sync_router = bool(sync_router)
+        self._sync = None
+        if self.dispatcher.world_size > 1:
+            router_params = list(self.router.parameters()) if self.sync_router else []
+            self._sync = GradientSync(self.dispatcher.group, lambda: self._exchange,
+                                      [self.experts.gate_up, self.experts.down], router_params)
+            self._sync.enabled = grad_sync == "backward"
         self.reset_parameters(seed)
 
     # -- placement ------------------------------------------------------------------------------
+
+    def _read_only(name: str):  # noqa: N805 - builds properties at class creation
+        def get(self):
+            return self.__dict__["_" + name]
+
+        def refuse(self, value):
+            raise AttributeError(
+                f"ExpertParallelMoE.{name} is read-only: the slot rows, routing tables and "
+                f"gradient sync follow the placement together; change it with "
+                f"moe.apply_placement(new_placement, optimizer) (or moebalance.apply_placement(model, "
+                f"new_placement, optimizer) for every layer of a model)")
+
+        return property(get, refuse, doc=f"The layer's current {name} (read-only).")
+
+    placement = _read_only("placement")
+    layer = _read_only("layer")
+    local_experts = _read_only("local_experts")
+    del _read_only
 
     def _set_placement(self, placement: Placement, layer: int) -> None:
         """Adopt ``placement`` for routing and gradient sync (slot storage keeps its shape)."""
@@ -270,18 +313,26 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"placement gives rank {self.dispatcher.rank} {len(local)} slots but "
                              f"this layer stores {self.experts.num_slots}; placements must keep "
                              f"the topology's slots")
-        self.placement = placement
-        self.layer = int(layer)
-        self.local_experts = placement.phy2log[layer, local.start:local.stop].copy()
-        replicas_E = placement.replicas[layer]
-        replicated = np.flatnonzero(replicas_E > 1)             # [R], same on every rank
-        row_of_expert = np.full(self.num_experts, -1, dtype=np.int64)
-        row_of_expert[replicated] = np.arange(replicated.size)
-        local_rows = row_of_expert[self.local_experts]
-        held = np.flatnonzero(local_rows >= 0)
-        self._num_replicated = int(replicated.size)
-        self._sync_slots = torch.from_numpy(held)                # local slots of replicated experts
-        self._sync_rows = torch.from_numpy(local_rows[held])     # their rows in the [R, ...] buffer
+        experts = placement.phy2log[layer, local.start:local.stop].copy()
+        experts.setflags(write=False)
+        self.__dict__["_placement"] = placement
+        self.__dict__["_layer"] = int(layer)
+        self.__dict__["_local_experts"] = experts
+        self._exchange = HolderExchange(placement.phy2log[layer], placement.slot_device,
+                                        self.dispatcher.rank, tag=int(layer))
+
+    def apply_placement(self, new: Placement, optimizer=None, **options):
+        """Move this layer to ``new`` (weights and optimizer state); see :func:`apply_placement`."""
+        return apply_placement(self, new, optimizer, **options)
+
+    @property
+    def pending_migration(self):
+        """The :class:`~moebalance.migrate.Migration` this layer still has to commit, or None."""
+        return self._pending
+
+    def replica_sync_bytes(self) -> int:
+        """Bytes this rank sends per step to reduce its expert replicas' gradients (holders only)."""
+        return self._exchange.bytes_sent([self.experts.gate_up, self.experts.down])
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Initialise the default router and every local slot from ``seed`` (see the class)."""
@@ -298,26 +349,54 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, placement: Placement, layer: int = 0,
-                   group=None, *, exchange: str = "auto", nodes=None) -> "ExpertParallelMoE":
+                   group=None, **options) -> "ExpertParallelMoE":
         """The expert-parallel layer holding ``dense``'s weights: slot i copies its expert's.
 
         Args:
             dense: a :class:`DenseMoE` (identical on every rank).
-            placement, layer, group, exchange, nodes: as in the constructor.
+            placement, layer, group, options (exchange, nodes, grad_sync, sync_router): as in
+                the constructor.
         """
         if not isinstance(dense, DenseMoE):
             raise TypeError(f"dense must be a moebalance.nn.DenseMoE, got {type(dense).__name__}")
         router = dense.router
         moe = cls(router.hidden_dim, dense.experts.ffn_dim, router.num_experts, router.top_k,
-                  placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0,
-                  exchange=exchange, nodes=nodes)
+                  placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0, **options)
         moe.to(device=router.weight.device, dtype=router.weight.dtype)
-        experts = torch.from_numpy(moe.local_experts).to(router.weight.device)
+        experts = torch.tensor(moe.local_experts).to(router.weight.device)
         with torch.no_grad():
             moe.router.weight.copy_(router.weight)
             moe.experts.gate_up.copy_(dense.experts.gate_up.index_select(0, experts))
             moe.experts.down.copy_(dense.experts.down.index_select(0, experts))
         return moe
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict:
+        p = self.placement
+        return {"layer": self.layer, "phy2log": p.phy2log[self.layer].tolist(),
+                "share": p.share[self.layer].tolist(), "slot_device": p.slot_device.tolist(),
+                "num_experts": p.num_experts}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Resume the placement row a per-rank checkpoint was saved under (its rows came with it)."""
+        current = self.placement
+        if (state.get("num_experts") != current.num_experts
+                or state.get("slot_device") != current.slot_device.tolist()):
+            raise ValueError(
+                f"this checkpoint of layer {self.layer} was saved for devices/slots "
+                f"{np.bincount(state.get('slot_device', [])).tolist()} and "
+                f"{state.get('num_experts')} experts; this layer runs "
+                f"{np.bincount(current.slot_device).tolist()} and {current.num_experts}: load it by "
+                f"logical expert with moebalance.checkpoint.load_expert_state_dict")
+        if self._pending is not None:
+            self._pending.wait()
+        phy2log = current.phy2log.copy()
+        share = current.share.copy()
+        phy2log[self.layer] = state["phy2log"]
+        share[self.layer] = state["share"]
+        self._set_placement(Placement(phy2log, share, current.slot_device, current.num_experts)
+                            .validate(), self.layer)
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -326,6 +405,8 @@ class ExpertParallelMoE(nn.Module):
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
             raise ValueError(f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
+        if self._pending is not None:
+            self._commit_pending()
         x_TD = hidden_states.reshape(-1, self.hidden_dim)
         _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
@@ -333,88 +414,145 @@ class ExpertParallelMoE(nn.Module):
         y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
         return self.dispatcher.combine(y_MD, handle).reshape(hidden_states.shape)
 
+    def _commit_pending(self) -> None:
+        """Before this layer's first forward after a boundary: put its staged rows in place."""
+        migration = self._pending
+        migration.commit(self.layer)
+        if not migration.pending(self.layer):
+            self._pending = None
+
     # -- gradient sync --------------------------------------------------------------------------
 
     def reduce_replica_gradients(self, include_router: bool = True) -> None:
-        """Sum replica gradients (and the router's) over the group; see :func:`reduce_replica_gradients`."""
+        """Reduce this layer's gradients now; see :func:`reduce_replica_gradients`."""
         reduce_replica_gradients(self, include_router=include_router)
 
-    def _gradient_parts(self, include_router: bool):
-        """[(flat gradient buffer, write_back(reduced buffer))] for one all-reduce over the group.
 
-        Experts: a [R, 2F*D + D*F] buffer whose row r is filled by the rank(s) holding replicated
-        expert r (zeros elsewhere); after the sum each replica reads its expert's row back.
-        Router: its gradients, flattened.
-        """
-        parts = []
-        ex = self.experts
-        if self._num_replicated:
-            device = ex.gate_up.device
-            slots = self._sync_slots.to(device)
-            rows = self._sync_rows.to(device)
-            n_gu = ex.gate_up[0].numel()
-            buf = torch.zeros(self._num_replicated, n_gu + ex.down[0].numel(),
-                              dtype=ex.gate_up.dtype, device=device)
-            for param, cols in ((ex.gate_up, slice(0, n_gu)), (ex.down, slice(n_gu, None))):
-                if param.grad is not None:
-                    buf[rows, cols] = param.grad.index_select(0, slots).flatten(1).to(buf.dtype)
+GRAD_SYNC = ("backward", "manual")
 
-            def write_experts(reduced, slots=slots, rows=rows, n_gu=n_gu):
-                reduced = reduced.view(self._num_replicated, -1)
-                for param, cols in ((ex.gate_up, slice(0, n_gu)), (ex.down, slice(n_gu, None))):
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    param.grad[slots] = reduced[rows, cols].view(-1, *param.shape[1:]).to(param.grad.dtype)
 
-            parts.append((buf.reshape(-1), write_experts))
-        if include_router:
-            for param in self.router.parameters():
-                if not param.requires_grad:
-                    continue
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)
-
-                def write_router(reduced, param=param):
-                    param.grad = reduced.view_as(param).clone()
-
-                parts.append((grad.reshape(-1), write_router))
-        return parts
+def moe_layers(module: nn.Module) -> list[ExpertParallelMoE]:
+    """The :class:`ExpertParallelMoE` layers of ``module`` (itself included), in module order."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    return [m for m in module.modules() if isinstance(m, ExpertParallelMoE)]
 
 
 def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) -> None:
-    """Make every expert replica's gradient the gradient of its whole logical expert.
+    """Make every expert replica's gradient the gradient of its whole logical expert, now.
 
-    Call on every rank of the expert-parallel group, after ``backward()`` and before
-    ``optimizer.step()``, with the same ``module`` structure everywhere (it runs collectives).
-    For each :class:`ExpertParallelMoE` inside ``module``:
+    For layers built with ``grad_sync="backward"`` (the default) this already happened during
+    backward and the call does nothing. For ``grad_sync="manual"`` layers, call it on every rank
+    of the expert-parallel group after ``backward()`` and before ``optimizer.step()``:
 
-    * experts with more than one replica: the gradients of their replicas are summed over the
-      ranks that hold them, so replicas that start identical stay identical under any
-      deterministic optimizer (SGD, Adam, ...); experts with one replica need nothing;
-    * the router (replicated on every rank, like data-parallel weights), when ``include_router``:
-      its gradient is summed over the ranks. In a data-parallel job whose DDP already reduces the
-      router, pass ``include_router=False``; note DDP averages where this sums (scale the loss).
-
-    Layers sharing a process group and dtype go into one flat all-reduce (SUM).
-
-    Cost per step, per layer: an all-reduce of ``R * 3 * D * F`` expert elements plus the router's
-    ``E * D``, where R is the number of experts of the layer with more than one replica; a ring
-    all-reduce sends about ``2 * (G - 1) / G`` times that many elements (times the element size in
-    bytes) from every rank. The buffer is dense over all replicated experts, so ranks also carry
-    rows of experts they do not hold; with few replicated experts (the usual case: R << E) that
-    is cheaper than one collective per replica set.
+    * experts with more than one replica: each holder exchanges its gradient rows with the other
+      holders of the expert only and sums them in holder-rank order, so replicas that start
+      identical stay identical under any deterministic optimizer; experts with one replica need
+      nothing. Per step a rank sends ``(h - 1)`` rows per replicated expert it holds
+      (``ExpertParallelMoE.replica_sync_bytes()``), not a dense buffer of all replicated experts;
+    * the router (replicated on every rank), when ``include_router`` and the layer's
+      ``sync_router``: its gradient is summed over the ranks (SUM, so scale each rank's loss by
+      1 / global tokens to match one process on the global batch).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    buckets: dict = {}
-    for layer in module.modules():
-        if not isinstance(layer, ExpertParallelMoE) or layer.dispatcher.world_size == 1:
+    for layer in moe_layers(module):
+        if layer._sync is None or layer.grad_sync != "manual":
             continue
-        for flat, write_back in layer._gradient_parts(include_router):
-            key = (id(layer.dispatcher.group), flat.dtype, flat.device)
-            group_parts = buckets.setdefault(key, (layer.dispatcher.group, []))[1]
-            group_parts.append((flat, write_back))
-    for group, parts in buckets.values():
-        buffer = torch.cat([flat for flat, _ in parts])
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-        for chunk, (_, write_back) in zip(buffer.split([flat.numel() for flat, _ in parts]), parts):
-            write_back(chunk)
+        ex, exchange, group = layer.experts, layer._exchange, layer.dispatcher.group
+        posted = [(p, exchange.post(p.grad if p.grad is not None else torch.zeros_like(p), kind, group))
+                  for kind, p in enumerate((ex.gate_up, ex.down))]
+        for p, post in posted:
+            total = exchange.finish(post)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.index_copy_(0, exchange.rep_slots.to(p.device), total.to(p.grad.dtype))
+        if include_router and layer.sync_router:
+            for p in layer.router.parameters():
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def current_placement(module: nn.Module) -> Placement:
+    """The placement the layers of ``module`` hold now: row ``layer.layer`` from each layer.
+
+    During a migration that moves layers one by one, some layers hold rows of the new placement
+    and some of the old; the result is the placement in force, layer by layer.
+    """
+    layers = moe_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} holds no ExpertParallelMoE layer")
+    base = layers[0].placement
+    phy2log, share = base.phy2log.copy(), base.share.copy()
+    for layer in layers:
+        p = layer.placement
+        if p.phy2log.shape != base.phy2log.shape or not np.array_equal(p.slot_device, base.slot_device):
+            raise ValueError("the ExpertParallelMoE layers of this module follow placements of "
+                             "different shapes; one placement must cover all of them")
+        phy2log[layer.layer] = p.phy2log[layer.layer]
+        share[layer.layer] = p.share[layer.layer]
+    return Placement(phy2log, share, base.slot_device, base.num_experts)
+
+
+def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topology=None,
+                    blocking: bool = True, timeout_s: float = 60.0,
+                    max_bytes_in_flight: int | None = None):
+    """Move every :class:`ExpertParallelMoE` layer of ``module`` to placement ``new``.
+
+    The one public way to change a live placement. Call on every rank of the group at a step
+    boundary (after ``optimizer.step()``), with the same ``new`` everywhere.
+
+    Args:
+        module: an ExpertParallelMoE or a model holding them (all in one process group).
+        new: the placement to reach, for the same topology (devices and their slots).
+        optimizer: the optimizer that updates the experts: every state tensor shaped like a slot
+            tensor (momentum, Adam moments) moves with its rows. None moves weights only.
+        topology: the devices (their nodes pick nearby senders); optional.
+        blocking: True: finish now (transfers, then every layer commits). False: return at once;
+            each layer commits right before its next forward, so the transfers run beside
+            whatever comes first (see :mod:`moebalance.migrate`).
+        timeout_s: how long a layer's commit waits for its transfers before the migration fails.
+        max_bytes_in_flight: start only as many layers per step boundary as fit (at least one).
+
+    Returns:
+        The :class:`~moebalance.migrate.Migration` (``report()`` has moves, bytes and time).
+
+    Raises:
+        MigrationError: with ``blocking``, on every rank, if a transfer failed; the layers keep a
+            valid placement (the old one where the new one did not commit) and no row is lost.
+    """
+    layers = moe_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} holds no ExpertParallelMoE layer")
+    if not isinstance(new, Placement):
+        raise TypeError(f"new must be a moebalance.Placement, got {type(new).__name__}")
+    groups = {id(layer.dispatcher.group) for layer in layers}
+    if len(groups) != 1:
+        raise ValueError("the ExpertParallelMoE layers of module use different process groups; "
+                         "apply a placement to each group's layers separately")
+    if len({layer.layer for layer in layers}) != len(layers):
+        raise ValueError("two ExpertParallelMoE layers of module share a placement layer index; "
+                         "give each layer its own `layer`")
+    for layer in layers:
+        if layer._pending is not None:
+            layer._pending.wait()
+    old = current_placement(module)
+    new.validate()
+    params = {layer.layer: [layer.experts.gate_up, layer.experts.down] for layer in layers}
+    plan = plan_migration(old, new, topology,
+                          expert_bytes=max(row_bytes(p, optimizer) for p in params.values()))
+    migrator = Migrator(layers[0].dispatcher.group, timeout_s=timeout_s,
+                        max_bytes_in_flight=max_bytes_in_flight)
+    migration = migrator.start(plan, params, optimizer)
+    for layer in layers:
+        if layer.layer in plan.changed_layers:
+            layer._pending = migration
+            migration.on_commit(layer.layer, lambda index, layer=layer: layer._set_placement(
+                plan.target, index))
+    if blocking:
+        try:
+            migration.wait()
+        finally:
+            for layer in layers:
+                layer._pending = None
+    return migration

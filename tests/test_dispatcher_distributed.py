@@ -114,7 +114,7 @@ def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, s
         assert_close(out, out_d[lo:hi].detach(), **tol)
         assert_close(x.grad, xd.grad[lo:hi], **tol)
         assert_close(moe.router.weight.grad, dense.router.weight.grad, **tol)
-        local = torch.from_numpy(moe.local_experts)
+        local = torch.tensor(moe.local_experts)
         assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], **tol)
         assert_close(moe.experts.down.grad, dense.experts.down.grad[local], **tol)
     return moe
@@ -203,7 +203,7 @@ def outputs_and_gradients_match_dense_in_float64_with_two_layers():
             tol = dict(rtol=1e-12, atol=1e-13, msg=labelled(exchange))
             assert_close(out, out_d[lo:hi].detach(), **tol)
             assert_close(x.grad, xd.grad[lo:hi], **tol)
-            local = torch.from_numpy(moe.local_experts)
+            local = torch.tensor(moe.local_experts)
             assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local], **tol)
             assert_close(moe.router.weight.grad, dense.router.weight.grad, **tol)
 
@@ -318,7 +318,7 @@ def replicas_identical_after_optimizer_steps():
             moe.reduce_replica_gradients()
             opt_m.step()
         assert_replicas_identical(moe)
-        local = torch.from_numpy(moe.local_experts)
+        local = torch.tensor(moe.local_experts)
         assert_close(moe.experts.gate_up.detach(), dense.experts.gate_up.detach()[local],
                      rtol=1e-4, atol=1e-5)
         assert_close(moe.router.weight.detach(), dense.router.weight.detach(), rtol=1e-4, atol=1e-5)
@@ -331,7 +331,7 @@ def construction_gives_identical_replicas_even_with_different_rank_seeds():
     assert_replicas_identical(moe)
     seeded = ExpertParallelMoE(D, F, 8, 2, placement, seed=77)
     dense = DenseMoE(D, F, 8, 2, seed=77)
-    local = torch.from_numpy(seeded.local_experts)
+    local = torch.tensor(seeded.local_experts)
     assert torch.equal(seeded.experts.gate_up.detach(), dense.experts.gate_up.detach()[local])
     assert torch.equal(seeded.router.weight.detach(), dense.router.weight.detach())
 

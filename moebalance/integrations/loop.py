@@ -1,0 +1,255 @@
+"""Rebalancer: watch the loads, re-plan with few moves, migrate beside the step (plain training loop).
+
+Every step, after ``optimizer.step()``::
+
+    rebalancer = mb.Rebalancer(model, topology, optimizer, every=200)
+    for batch in data:
+        loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+        rebalancer.step()
+
+At a trigger (every ``every`` steps, and/or when the tracked imbalance of the current placement
+passes ``threshold``) it takes a snapshot of the tracked loads (one all-reduce), plans
+``plan(loads, topology, previous=current, max_moves=...)`` on every rank (deterministic from the
+reduced loads; a digest check proves the ranks agree) and starts the migration. The layers
+commit their new rows before their next forward, so training never stops for it.
+
+Figures go to the ``moebalance`` logger (INFO) and to ``rebalancer.history``: one dict per
+re-plan with the step, imbalance before and after (on the snapshot's loads), moves, bytes,
+plan time and, once every layer committed, the migration time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import numpy as np
+import torch.distributed as dist
+from torch import nn
+
+from ..metrics import summary_imbalance
+from ..migrate import MigrationError
+from ..nn import apply_placement, current_placement, moe_layers
+from ..planner import plan
+from ..topology import Topology
+from ..tracker import LoadTracker, attach
+
+__all__ = ["Rebalancer"]
+
+log = logging.getLogger("moebalance")
+
+ON_FAILURE = ("warn", "raise")
+
+
+def _optional_positive(value, name: str):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    return int(value)
+
+
+class Rebalancer:
+    """Re-plan and migrate the ExpertParallelMoE layers of ``model`` while it trains.
+
+    Args:
+        model: the model (its ExpertParallelMoE layers share one process group).
+        topology: the devices (one per rank of the group), with speeds and slots.
+        optimizer: the optimizer of the experts (its state moves with the rows); None for
+            weights only.
+        every: re-plan every this many steps (None: only when ``threshold`` triggers).
+        threshold: also re-plan when the current placement's summary imbalance on the tracked
+            loads exceeds this (e.g. 1.05), checked every ``check_every`` steps.
+        check_every: steps between threshold checks (default ``every`` or 50); each check is one
+            all-reduce of the [L, E] loads.
+        max_moves: cap on expert copies per re-plan (passed to :func:`moebalance.plan`).
+        tracker: a :class:`LoadTracker` attached to ``model``; None attaches one whose window is
+            the steps between decisions.
+        blocking: finish each migration inside ``step()`` instead of beside the next forward.
+        timeout_s, max_bytes_in_flight: see :func:`moebalance.apply_placement`.
+        on_failure: "warn" (log, keep training on the placement the layers hold, retry at the
+            next trigger) or "raise" (raise the MigrationError from ``step()`` on every rank).
+        plan_options: extra keywords for :func:`moebalance.plan`.
+    """
+
+    def __init__(self, model: nn.Module, topology: Topology, optimizer=None, every: int | None = 200,
+                 *, threshold: float | None = None, check_every: int | None = None,
+                 max_moves: int | None = None, tracker: LoadTracker | None = None,
+                 blocking: bool = False, timeout_s: float = 60.0,
+                 max_bytes_in_flight: int | None = None, on_failure: str = "warn",
+                 plan_options: dict | None = None) -> None:
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} holds no ExpertParallelMoE layer; build the "
+                             f"model from moebalance layers (or wrap it) before adding a Rebalancer")
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+        world = self.layers[0].dispatcher.world_size
+        if topology.num_devices != world:
+            raise ValueError(f"topology has {topology.num_devices} devices but the model's group has "
+                             f"{world} ranks; describe one device per rank")
+        self.every = _optional_positive(every, "every")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 1.0):
+            raise ValueError(f"threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, got {threshold!r}")
+        if self.every is None and threshold is None:
+            raise ValueError("give every=N steps, threshold=imbalance, or both; with neither the "
+                             "Rebalancer never re-plans")
+        self.threshold = None if threshold is None else float(threshold)
+        self.check_every = _optional_positive(check_every, "check_every") or self.every or 50
+        self.max_moves = None if max_moves is None else int(max_moves)
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {list(ON_FAILURE)}, got {on_failure!r}")
+        self.on_failure = on_failure
+        self.model = model
+        self.topology = topology
+        self.optimizer = optimizer
+        self.blocking = bool(blocking)
+        self.timeout_s = timeout_s
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.plan_options = dict(plan_options or {})
+        self.group = self.layers[0].dispatcher.group
+        self.world_size = world
+        if tracker is None:
+            tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
+        elif not isinstance(tracker, LoadTracker):
+            raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
+        self.tracker = tracker
+        self._rows = self._tracker_rows()
+        self.steps = 0
+        self.history: list[dict] = []
+        self._migration = None
+        self._report: dict | None = None
+        self._last_replan = 0
+
+    def _tracker_rows(self) -> list[tuple[int, int]]:
+        """(tracker layer, placement layer) for every ExpertParallelMoE layer."""
+        names = list(self.tracker.layer_names or [])
+        prefix = {id(m): name for name, m in self.model.named_modules()}
+        rows = []
+        for layer in self.layers:
+            router_name = (prefix[id(layer)] + ".router").lstrip(".")
+            if router_name not in names:
+                raise ValueError(f"the tracker does not record the router {router_name!r}; attach it "
+                                 f"to this model with moebalance.attach(model)")
+            rows.append((names.index(router_name), layer.layer))
+        return rows
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def step(self) -> dict | None:
+        """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
+        when this step started one, else None."""
+        self.steps += 1
+        self.tracker.step()
+        self._check_migration()
+        if self._migration is not None:
+            return None                         # one migration at a time
+        since = self.steps - self._last_replan
+        due = self.every is not None and since >= self.every
+        check = self.threshold is not None and self.steps % self.check_every == 0
+        if not (due or check):
+            return None
+        loads = self._loads()
+        current = current_placement(self.model)
+        before = summary_imbalance(loads, current, self.topology)
+        if not due and before <= self.threshold:
+            return None
+        return self._replan(loads, current, before)
+
+    def _loads(self) -> np.ndarray:
+        snapshot = self.tracker.snapshot(self.group)               # [L_tracked, E], all ranks
+        placement = self.layers[0].placement
+        loads = np.zeros((placement.num_layers, placement.num_experts))
+        for tracked, layer in self._rows:
+            loads[layer] = snapshot[tracked]
+        covered = [layer for _, layer in self._rows]
+        if len(covered) < placement.num_layers:
+            # Layers without a module here are not re-planned: keep their rows (see _replan).
+            loads[[i for i in range(placement.num_layers) if i not in covered]] = 1.0
+        return loads
+
+    def _replan(self, loads: np.ndarray, current, before: float) -> dict:
+        start = time.perf_counter()
+        new = plan(loads, self.topology, previous=current, max_moves=self.max_moves, **self.plan_options)
+        planned_ms = (time.perf_counter() - start) * 1e3
+        self._check_agreement(new)
+        after = summary_imbalance(loads, new, self.topology)
+        migration = apply_placement(self.model, new, self.optimizer, topology=self.topology,
+                                    blocking=False, timeout_s=self.timeout_s,
+                                    max_bytes_in_flight=self.max_bytes_in_flight)
+        self._last_replan = self.steps
+        report = {"step": self.steps, "imbalance_before": float(before),
+                  "imbalance_after": float(after), "moves": migration.plan.num_moves,
+                  "bytes": migration.plan.total_bytes, "plan_ms": planned_ms,
+                  "migration_s": None, "error": None}
+        self.history.append(report)
+        self._migration, self._report = migration, report
+        log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f, %d moves, %.1f MB, plan %.1f ms",
+                 self.steps, before, after, report["moves"], report["bytes"] / 1e6, planned_ms)
+        if self.blocking:
+            try:
+                migration.wait()
+            except MigrationError:
+                pass                             # handled below, like a failure found later
+            self._check_migration()
+        return report
+
+    def _check_agreement(self, placement) -> None:
+        if self.world_size == 1:
+            return
+        digest = hashlib.sha256(placement.phy2log.tobytes() + placement.share.tobytes()).hexdigest()
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, digest, group=self.group)
+        if len(set(everyone)) != 1:
+            raise RuntimeError("ranks planned different placements from the same reduced loads; "
+                               "check that every rank runs the same moebalance and numba versions")
+
+    def _check_migration(self) -> None:
+        migration = self._migration
+        if migration is None or not migration.done:
+            return
+        self._migration = None
+        figures = migration.report()
+        self._report["migration_s"] = figures["seconds"]
+        self._report["bytes_sent_this_rank"] = figures["bytes_sent"]
+        self._report["resends"] = figures["resends"]
+        if migration.error is not None:
+            self._report["error"] = str(migration.error)
+            if self.on_failure == "raise":
+                raise migration.error
+            log.warning("moebalance: %s", migration.error)
+            return
+        log.info("moebalance: migration of step %d done: %d moves, %.1f MB in %.3f s",
+                 self._report["step"], figures["moves"], figures["bytes_total"] / 1e6, figures["seconds"])
+
+    def finish(self) -> None:
+        """Commit a migration still in flight now (e.g. before saving or at the end of training)."""
+        if self._migration is not None:
+            try:
+                self._migration.wait()
+            except MigrationError:
+                pass
+            self._check_migration()
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def migrating(self) -> bool:
+        return self._migration is not None
+
+    def state_dict(self) -> dict:
+        """Step counters and history (the placement itself lives in the model's state_dict)."""
+        return {"steps": self.steps, "last_replan": self._last_replan,
+                "history": [dict(r) for r in self.history], "tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self._last_replan = int(state["last_replan"])
+        self.history = [dict(r) for r in state.get("history", [])]
+        if "tracker" in state:
+            self.tracker.load_state_dict(state["tracker"])
+
+    def __repr__(self) -> str:
+        return (f"Rebalancer(every={self.every}, threshold={self.threshold}, steps={self.steps}, "
+                f"replans={len(self.history)}, migrating={self.migrating})")

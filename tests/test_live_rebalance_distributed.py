@@ -1,0 +1,426 @@
+"""Live rebalancing on 4 gloo ranks: migrations keep the math, replicas agree, faults lose nothing.
+
+All cases run in ONE spawn of 4 ranks (see ``_dist.py``). A small model of two ExpertParallelMoE
+layers trains on a fixed global batch stream (each rank its slice); a run that migrates to new
+placements (layers moving one by one, transfers in flight across steps) must reach the losses,
+weights and optimizer state of a run that never moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing import assert_close
+
+import moebalance as mb
+from _dist import case_id, run_cases
+from moebalance import checkpoint
+from moebalance.migrate import Migration, MigrationError, plan_migration
+from moebalance.nn import DenseMoE, ExpertParallelMoE, apply_placement, current_placement, moe_layers
+from test_dispatcher_distributed import random_placement
+
+WORLD = 4
+D, F, E, K = 8, 6, 8, 2
+SLOTS = [3, 3, 3, 3]
+TOKENS = 24                      # per rank and step
+
+
+# -- helpers (run inside the workers) ---------------------------------------------------------
+
+
+class Net(nn.Module):
+    """Two expert-parallel layers, each rank its own tokens; DenseMoE layers when ``dense``."""
+
+    def __init__(self, placement, dtype, *, group=None, dense=False, grad_sync="backward"):
+        super().__init__()
+        if dense:
+            self.l0 = DenseMoE(D, F, E, K, seed=11)
+            self.l1 = DenseMoE(D, F, E, K, seed=12)
+        else:
+            self.l0 = ExpertParallelMoE(D, F, E, K, placement, 0, group, seed=11, grad_sync=grad_sync)
+            self.l1 = ExpertParallelMoE(D, F, E, K, placement, 1, group, seed=12, grad_sync=grad_sync)
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.l1(torch.tanh(self.l0(x)))
+
+
+def batch(step: int, dtype, world=WORLD, rank=None):
+    """This rank's slice of step ``step``'s global batch (x, target)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(world * TOKENS, D, generator=gen, dtype=torch.float64)
+    target = torch.randn(world * TOKENS, D, generator=gen, dtype=torch.float64)
+    rank = dist.get_rank() if rank is None else rank
+    sl = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    return x[sl].to(dtype), target[sl].to(dtype)
+
+
+def make_optimizer(model, kind: str):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+
+
+def train_step(model, optimizer, step, dtype, world=WORLD, group=None) -> float:
+    x, target = batch(step, dtype, world)
+    optimizer.zero_grad()
+    loss = (model(x) - target).pow(2).sum() / (world * TOKENS)
+    loss.backward()
+    optimizer.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total)
+
+
+def slot_digests(model):
+    """[(layer, local experts, digest of each local slot's rows)] for every MoE layer."""
+    out = []
+    for layer in moe_layers(model):
+        digests = []
+        for s in range(layer.experts.num_slots):
+            h = hashlib.sha256()
+            for p in (layer.experts.gate_up, layer.experts.down):
+                h.update(p.detach()[s].contiguous().numpy().tobytes())
+            digests.append(h.hexdigest())
+        out.append((layer.layer, layer.local_experts.tolist(), digests))
+    return out
+
+
+def assert_replicas_identical(model):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, slot_digests(model))
+    for i, _ in enumerate(moe_layers(model)):
+        seen = {}
+        for rank_layers in everyone:
+            layer, experts, digests = rank_layers[i]
+            for e, d in zip(experts, digests):
+                assert seen.setdefault(e, d) == d, f"layer {layer}: replicas of expert {e} differ"
+
+
+def placements_for(seed: int):
+    return random_placement(seed, E, SLOTS, num_layers=2)
+
+
+_RUNS: dict = {}
+
+
+def run(kind: str, dtype, schedule: dict, steps: int = 30, max_bytes=None):
+    """Train ``steps`` steps; after step s in ``schedule`` apply schedule[s] without blocking.
+
+    Returns (losses, logical state of model and optimizer at the end, migration reports).
+    """
+    key = (kind, dtype, tuple(sorted(schedule)), steps, max_bytes)
+    if key in _RUNS:
+        return _RUNS[key]
+    model = Net(placements_for(0), dtype)
+    optimizer = make_optimizer(model, kind)
+    losses, migrations = [], []
+    for step in range(steps):
+        losses.append(train_step(model, optimizer, step, dtype))
+        assert_replicas_identical(model)
+        if step in schedule:
+            row_bytes = 2 * (2 * F * D + D * F) * torch.finfo(dtype).bits // 8
+            migrations.append(apply_placement(model, schedule[step], optimizer, blocking=False,
+                                              max_bytes_in_flight=max_bytes and row_bytes))
+    for migration in migrations:
+        migration.wait()
+    result = (losses, checkpoint.expert_state_dict(model, optimizer),
+              [m.report() for m in migrations])
+    _RUNS[key] = result
+    return result
+
+
+SCHEDULE = {4: placements_for(1), 9: placements_for(2), 15: placements_for(3), 22: placements_for(4)}
+
+
+def compare_states(a: dict, b: dict, rtol: float, atol: float):
+    for key, value in a["model"].items():
+        assert_close(b["model"][key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+    for fqn, entry in a["optimizer"]["state"].items():
+        other = b["optimizer"]["state"][fqn]
+        assert entry["logical"].keys() == other["logical"].keys()
+        for name, value in entry["logical"].items():
+            assert_close(other["logical"][name], value, rtol=rtol, atol=atol,
+                         msg=lambda m: f"{fqn}.{name}: {m}")
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+def rebalanced_run_matches_fixed_run_sgd_momentum_fp64():
+    fixed_losses, fixed_state, _ = run("sgd", torch.float64, {})
+    losses, state, reports = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
+    assert sum(r["moves"] for r in reports) > 0 and all(r["error"] is None for r in reports)
+    # Layers moved one at a time (bytes in flight bounded): some migrations spanned steps.
+    assert max(r["optimizer_steps"] for r in reports) >= 1
+    np.testing.assert_allclose(losses, fixed_losses, rtol=1e-10, atol=0)
+    compare_states(fixed_state, state, rtol=1e-10, atol=1e-13)
+
+
+def rebalanced_run_matches_fixed_run_adamw_fp32():
+    fixed_losses, fixed_state, _ = run("adamw", torch.float32, {})
+    losses, state, reports = run("adamw", torch.float32, SCHEDULE)
+    assert sum(r["moves"] for r in reports) > 0
+    np.testing.assert_allclose(losses, fixed_losses, rtol=1e-5, atol=0)
+    compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
+
+
+def moved_expert_optimizer_state_equals_unmoved_state_fp64():
+    _, fixed_state, _ = run("sgd", torch.float64, {})
+    _, state, _ = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
+    for fqn, entry in fixed_state["optimizer"]["state"].items():
+        if entry["logical"]:
+            assert "momentum_buffer" in entry["logical"]
+    compare_states(fixed_state, state, rtol=1e-10, atol=1e-13)
+    # Adam's moments (and amsgrad's max) too, in fp64.
+    model_a, model_b = Net(placements_for(0), torch.float64), Net(placements_for(0), torch.float64)
+    opt_a, opt_b = make_optimizer(model_a, "adamw"), make_optimizer(model_b, "adamw")
+    for step in range(6):
+        train_step(model_a, opt_a, step, torch.float64)
+        train_step(model_b, opt_b, step, torch.float64)
+        if step == 2:
+            apply_placement(model_b, placements_for(7), opt_b)
+    a = checkpoint.expert_state_dict(model_a, opt_a)
+    b = checkpoint.expert_state_dict(model_b, opt_b)
+    names = {n for entry in a["optimizer"]["state"].values() for n in entry["logical"]}
+    assert {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} <= names
+    compare_states(a, b, rtol=1e-10, atol=1e-13)
+
+
+def live_placement_attributes_are_read_only():
+    model = Net(placements_for(0), torch.float32)
+    for name in ("placement", "layer", "local_experts"):
+        with pytest.raises(AttributeError, match="apply_placement"):
+            setattr(model.l0, name, getattr(model.l0, name))
+    with pytest.raises(ValueError, match="read-only"):
+        model.l0.local_experts[0] = 3
+
+
+def apply_placement_rejects_another_topology():
+    model = Net(placements_for(0), torch.float32)
+    other = random_placement(0, E, [4, 2, 3, 3], num_layers=2)
+    with pytest.raises(ValueError, match="keeps each device's slots"):
+        apply_placement(model, other)
+
+
+def _trained(dtype=torch.float64):
+    model = Net(placements_for(0), dtype)
+    optimizer = make_optimizer(model, "adamw")
+    for step in range(2):
+        train_step(model, optimizer, step, dtype)
+    return model, optimizer
+
+
+def _snapshot(model, optimizer):
+    rows = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()}
+    return current_placement(model), rows, state
+
+
+def _assert_unchanged(model, optimizer, snap):
+    placement, rows, state = snap
+    assert current_placement(model) == placement
+    for p, before in zip(model.parameters(), rows):
+        assert torch.equal(p.detach(), before)
+        for k, v in state[id(p)].items():
+            assert torch.equal(optimizer.state[p][k], v), k
+
+
+def _failing_placement(source_rank: int):
+    """A new placement whose migration needs rows sent by ``source_rank``."""
+    base = placements_for(0)
+    for seed in range(100, 200):
+        new = placements_for(seed)
+        plan = plan_migration(base, new)
+        if np.any((plan.src_rank_M == source_rank) & (plan.dst_rank_M != source_rank)):
+            return new
+    raise AssertionError("no such placement")
+
+
+def _expect_same_error_everywhere(model, optimizer, new, faulty_rank, fault):
+    snap = _snapshot(model, optimizer)
+    original = Migration._issue
+    if dist.get_rank() == faulty_rank:
+        Migration._issue = fault
+    try:
+        with pytest.raises(MigrationError) as info:
+            apply_placement(model, new, optimizer, timeout_s=3.0)
+    finally:
+        Migration._issue = original
+    message = str(info.value)
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, message)
+    assert len(set(everyone)) == 1, everyone
+    assert f"rank {faulty_rank}" in message or "Timed out" in message or "timed out" in message.lower()
+    _assert_unchanged(model, optimizer, snap)
+    assert all(layer.pending_migration is None for layer in moe_layers(model))
+    # The next attempt goes through.
+    migration = apply_placement(model, new, optimizer)
+    assert current_placement(model) == migration.plan.target
+    assert_replicas_identical(model)
+    train_step(model, optimizer, 5, torch.float64)
+    assert_replicas_identical(model)
+    return message
+
+
+def failed_transfer_on_one_rank_keeps_old_placement_everywhere():
+    model, optimizer = _trained()
+
+    def raising(self, ops):
+        raise RuntimeError("injected transfer fault")
+
+    message = _expect_same_error_everywhere(model, optimizer, _failing_placement(3), 3, raising)
+    assert "injected transfer fault" in message
+
+
+def rank_that_never_sends_fails_migration_without_hang():
+    model, optimizer = _trained()
+
+    def receive_only(self, ops):
+        return original_issue(self, [op for op in ops if not op[0]])
+
+    original_issue = Migration._issue
+    _expect_same_error_everywhere(model, optimizer, _failing_placement(2), 2, receive_only)
+
+
+def checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense():
+    dtype = torch.float64
+    model, optimizer = _trained(dtype)
+    apply_placement(model, placements_for(5), optimizer)
+    box = [tempfile.mkdtemp(prefix="moebalance-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, group_src=0)
+    path = os.path.join(box[0], "experts.pt")
+    checkpoint.save(path, model, optimizer)
+    saved = checkpoint.expert_state_dict(model, optimizer)
+    x_all = torch.cat([batch(99, dtype, rank=r)[0] for r in range(WORLD)])
+
+    dense = Net(None, dtype, dense=True)
+    dense.load_state_dict(saved["model"])
+    reference = dense(x_all)
+    rank = dist.get_rank()
+    assert_close(model(x_all[rank * TOKENS:(rank + 1) * TOKENS]),
+                 reference[rank * TOKENS:(rank + 1) * TOKENS], rtol=1e-10, atol=1e-12)
+
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        two = random_placement(3, E, [5, 5], num_layers=2)
+        small = Net(two, dtype, group=pair)
+        small_opt = make_optimizer(small, "adamw")
+        placement = checkpoint.load(path, small, small_opt)
+        assert placement == current_placement(model)
+        half = 2 * TOKENS
+        assert_close(small(x_all[rank * half:(rank + 1) * half]),
+                     reference[rank * half:(rank + 1) * half], rtol=1e-10, atol=1e-12)
+        again = checkpoint.expert_state_dict(small, small_opt)
+        compare_states(saved, again, rtol=0, atol=0)
+        # The restored optimizer steps on as the saved one would.
+        for fqn, entry in saved["optimizer"]["state"].items():
+            assert again["optimizer"]["state"][fqn]["other"].keys() == entry["other"].keys()
+    dist.barrier()
+    if rank == 0:
+        os.remove(path)
+        os.rmdir(box[0])
+
+
+def per_rank_state_dict_resumes_its_placement():
+    dtype = torch.float64
+    model, optimizer = _trained(dtype)
+    apply_placement(model, placements_for(6), optimizer)
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in model.state_dict().items()}
+    resumed = Net(placements_for(0), dtype)
+    resumed.load_state_dict(state)
+    assert current_placement(resumed) == current_placement(model)
+    x, _ = batch(7, dtype)
+    assert torch.equal(resumed(x), model(x))
+
+
+def replica_gradient_traffic_scales_with_replicas_held():
+    # Rank 0 holds 3 replicated experts, rank 1 two, ranks 2 and 3 one each.
+    row = np.array([0, 1, 2, 0, 1, 3, 4, 5, 2, 6, 7, 0])
+    share = np.zeros(12)
+    for e in range(E):
+        share[row == e] = 1.0 / np.count_nonzero(row == e)
+    placement = mb.Placement(np.stack([row, row]), np.stack([share, share]), np.repeat(np.arange(4), 3), E)
+    model = Net(placement, torch.float32)
+    counts = np.bincount(row, minlength=E)
+    rank = dist.get_rank()
+    held = row[rank * 3:(rank + 1) * 3]
+    expected_rows = int(sum(counts[e] - 1 for e in held if counts[e] > 1))
+    row_bytes = (2 * F * D + D * F) * 4
+    assert model.l0.replica_sync_bytes() == expected_rows * row_bytes
+    dense_bytes = 2 * (WORLD - 1) / WORLD * int(np.count_nonzero(counts > 1)) * row_bytes
+    sizes = [None] * WORLD
+    dist.all_gather_object(sizes, model.l0.replica_sync_bytes())
+    assert sizes == [4 * row_bytes, 3 * row_bytes, 1 * row_bytes, 2 * row_bytes]
+    assert max(sizes) < dense_bytes
+
+
+def backward_sync_equals_manual_sync_also_under_accumulation():
+    dtype = torch.float64
+    auto = Net(placements_for(0), dtype)
+    manual = Net(placements_for(0), dtype, grad_sync="manual")
+    for model in (auto, manual):
+        for micro in range(3):              # gradient accumulation: three backwards, one reduction
+            x, target = batch(40 + micro, dtype)
+            ((model(x) - target).pow(2).sum() / (WORLD * TOKENS)).backward()
+    mb.reduce_replica_gradients(manual)
+    for (name, a), b in zip(auto.named_parameters(), manual.parameters()):
+        assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=lambda m: f"{name}: {m}")
+    for model in (auto, manual):
+        optimizer = make_optimizer(model, "sgd")
+        optimizer.step()
+        assert_replicas_identical(model)
+
+
+def rebalancer_plain_loop_drives_migrations_and_keeps_losses():
+    dtype = torch.float64
+    topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS, node=[0, 0, 1, 1])
+    start = mb.plan(np.ones((2, E)), topology)
+    fixed, moving = Net(start, dtype), Net(start, dtype)
+    opt_fixed, opt_moving = make_optimizer(fixed, "sgd"), make_optimizer(moving, "sgd")
+    rebalancer = mb.Rebalancer(moving, topology, opt_moving, every=3)
+    for step in range(12):
+        a = train_step(fixed, opt_fixed, step, dtype)
+        b = train_step(moving, opt_moving, step, dtype)
+        rebalancer.step()
+        assert b == pytest.approx(a, rel=1e-10)
+    rebalancer.finish()
+    moved = [r for r in rebalancer.history if r["moves"] > 0]
+    assert moved, rebalancer.history
+    assert all(r["error"] is None and r["migration_s"] is not None for r in moved)
+    assert moved[0]["imbalance_after"] <= moved[0]["imbalance_before"]
+    assert_replicas_identical(moving)
+
+
+CASES = [
+    live_placement_attributes_are_read_only,
+    apply_placement_rejects_another_topology,
+    replica_gradient_traffic_scales_with_replicas_held,
+    backward_sync_equals_manual_sync_also_under_accumulation,
+    rebalanced_run_matches_fixed_run_sgd_momentum_fp64,
+    rebalanced_run_matches_fixed_run_adamw_fp32,
+    moved_expert_optimizer_state_equals_unmoved_state_fp64,
+    per_rank_state_dict_resumes_its_placement,
+    checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
+    rebalancer_plain_loop_drives_migrations_and_keeps_losses,
+    failed_transfer_on_one_rank_keeps_old_placement_everywhere,
+    rank_that_never_sends_fails_migration_without_hang,
+]
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    return run_cases(CASES, world_size=WORLD, timeout_s=400.0, collective_timeout_s=30.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_live_rebalance(dist_results, case):
+    dist_results.check(case)
