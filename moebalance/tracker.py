@@ -493,7 +493,8 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
             raise ValueError(
                 f"router {name} of this model already records into a LoadTracker ({other!r}); a "
                 f"second one would count every token again. Use that tracker (attach() returned "
-                f"it), or call its detach() before attaching another"
+                f"it; a Rebalancer takes it as tracker=), or call its detach() before attaching "
+                f"another"
             )
     for _, router, _ in routers:
         _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
