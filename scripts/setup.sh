@@ -49,7 +49,7 @@ import moebalance
 from moebalance.warmup import jit_counts
 
 start = time.perf_counter()
-spent = moebalance.warm_up()
+spent = moebalance.warm_up(progress=lambda part: print(f"   {part} kernels ...", flush=True))
 loaded, compiled = jit_counts()
 if not spent:
     print("   numba is not installed: the planner and dispatch run their numpy/torch references")
