@@ -35,7 +35,6 @@ import json
 import pathlib
 import platform
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 
@@ -43,26 +42,12 @@ import numpy as np
 import torch
 
 import moebalance as mb
+from moebalance.models import stdlib_corpus
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "moebalance" / "data"
 VOCAB = 256  # bytes
 # Statistics of "start" and "end" average this many steps.
 EDGE_STEPS = 10
-
-
-def stdlib_corpus() -> tuple[np.ndarray, int]:
-    """The standard library's .py files, concatenated in sorted path order, as uint8 bytes.
-
-    Third-party packages installed inside the stdlib tree (site-packages) are left out.
-    Returns (bytes [N], number of files).
-    """
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    if not files:
-        raise RuntimeError(f"no .py files under the standard library directory {root}")
-    data = b"\n".join(p.read_bytes() for p in files)
-    return np.frombuffer(data, dtype=np.uint8), len(files)
 
 
 @dataclass(frozen=True)

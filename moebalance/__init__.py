@@ -6,7 +6,8 @@ from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker, attach
 from .dispatch import Dispatcher
-from .nn import ExpertParallelMoE, apply_placement, current_placement, reduce_replica_gradients
+from .nn import (ExpertParallelMoE, apply_placement, clip_grad_norm_, current_placement,
+                 reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
 
 __version__ = "0.1.0"
@@ -17,7 +18,7 @@ __all__ = [
     "backends", "force_backend", "using_backend", "warm_up",
     "LoadTracker", "attach",
     "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
-    "reduce_replica_gradients", "plan_migration", "MigrationError",
+    "reduce_replica_gradients", "clip_grad_norm_", "plan_migration", "MigrationError",
     "__version__",
 ]
 

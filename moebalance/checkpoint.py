@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .nn import ExpertParallelMoE, current_placement, moe_layers
+from .nn import ExpertParallelMoE, _first_holder_rows, current_placement, moe_layers
 from .placement import Placement
 
 __all__ = ["expert_state_dict", "load_expert_state_dict", "save", "load"]
@@ -48,17 +47,11 @@ def _layer_prefixes(module: nn.Module) -> dict[int, str]:
 
 def _gather_rows(rows_L: torch.Tensor, layer: ExpertParallelMoE) -> torch.Tensor:
     """[E, ...] by logical expert from every rank's [Ls, ...] slot rows (collective SUM)."""
-    placement, index = layer.placement, layer.layer
-    lo = int(np.searchsorted(placement.slot_device, layer.dispatcher.rank))
-    phy2log = placement.phy2log[index]
-    first_slot = np.full(placement.num_experts, -1, dtype=np.int64)
-    first_slot[phy2log[::-1]] = np.arange(phy2log.size)[::-1]    # lowest global slot per expert
-    local = np.arange(lo, lo + layer.experts.num_slots)
-    mine = first_slot[layer.local_experts] == local
-    out = rows_L.new_zeros((placement.num_experts, *rows_L.shape[1:]))
+    out = rows_L.new_zeros((layer.placement.num_experts, *rows_L.shape[1:]))
     device = rows_L.device
-    out.index_copy_(0, torch.from_numpy(layer.local_experts[mine]).to(device),
-                    rows_L.detach().index_select(0, torch.from_numpy(np.flatnonzero(mine)).to(device)))
+    mine = _first_holder_rows(layer).to(device)       # each expert from one holder only
+    out.index_copy_(0, torch.tensor(layer.local_experts, device=device).index_select(0, mine),
+                    rows_L.detach().index_select(0, mine))
     if layer.dispatcher.world_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=layer.dispatcher.group)
     return out

@@ -34,7 +34,7 @@ from .placement import Placement
 from .replica_sync import GradientSync, HolderExchange
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
-           "apply_placement", "current_placement", "moe_layers"]
+           "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
 
 
 def _positive_int(value, name: str) -> int:
@@ -556,3 +556,76 @@ def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topolo
             for layer in layers:
                 layer._pending = None
     return migration
+
+
+def _first_holder_rows(layer: ExpertParallelMoE) -> torch.Tensor:
+    """Local slots whose expert has no replica on a lower global slot (each expert counted once)."""
+    placement, index = layer.placement, layer.layer
+    phy2log = placement.phy2log[index]
+    first = np.full(placement.num_experts, -1, dtype=np.int64)
+    first[phy2log[::-1]] = np.arange(phy2log.size)[::-1]
+    lo = int(np.searchsorted(placement.slot_device, layer.dispatcher.rank))
+    local = np.arange(lo, lo + layer.experts.num_slots)
+    return torch.from_numpy(np.flatnonzero(first[layer.local_experts] == local))
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of an expert-parallel model by their *global* norm. Collective.
+
+    ``torch.nn.utils.clip_grad_norm_`` on each rank sees only that rank's slots, so ranks scale by
+    different factors and replicas of one expert drift apart. Here every logical expert counts
+    once (its first holder's rows) and every parameter outside the expert slots once (it is
+    replicated: its gradient is the same on every rank), the norm is reduced over the group, and
+    every rank scales by the same factor. After it, any rank's local norm is at most the global
+    one, so a framework's own per-rank clipping to the same ``max_norm`` changes nothing.
+
+    Args:
+        module: a model holding ExpertParallelMoE layers (one process group).
+        max_norm: the largest allowed global norm.
+        norm_type: 2.0 or ``float("inf")``.
+
+    Returns:
+        The global norm before clipping (a 0-dim tensor).
+    """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    if norm_type not in (2.0, 2, float("inf")):
+        raise ValueError(f"norm_type must be 2.0 or float('inf'), got {norm_type!r}")
+    layers = moe_layers(module)
+    group = layers[0].dispatcher.group if layers else None
+    world = layers[0].dispatcher.world_size if layers else 1
+    rank = layers[0].dispatcher.rank if layers else 0
+    slot_rows = {}
+    for layer in layers:
+        rows = _first_holder_rows(layer)
+        for p in (layer.experts.gate_up, layer.experts.down):
+            slot_rows[id(p)] = rows
+    grads, parts = [], []
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if id(p) in slot_rows:
+            g = p.grad.index_select(0, slot_rows[id(p)].to(p.grad.device))
+        elif rank == 0:
+            g = p.grad
+        else:
+            continue
+        g = g.detach().double()
+        parts.append(g.abs().max() if norm_type == float("inf") and g.numel() else g.pow(2).sum())
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.stack(parts).to(device) if parts else torch.zeros(1, dtype=torch.float64, device=device)
+    if norm_type == float("inf"):
+        total = total.max() if total.numel() else total.sum()
+        if world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        norm = total
+    else:
+        total = total.sum()
+        if world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm

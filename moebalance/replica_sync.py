@@ -132,14 +132,15 @@ class GradientSync:
     Args:
         group: the process group.
         exchange_for: a callable returning the current :class:`HolderExchange` of the slot
-            tensors (read at every backward, so a placement change takes effect at once).
+            tensors (read at every backward, so a placement change takes effect at once); None
+            when there are no slot tensors.
         slot_params: the slot tensors ([Ls, ...] each) whose replicated rows are reduced.
         group_params: tensors replicated on every rank whose gradients are summed over the group.
 
     ``enabled`` False makes the hooks pass gradients through untouched (manual reduction).
     """
 
-    def __init__(self, group, exchange_for: Callable[[], HolderExchange],
+    def __init__(self, group, exchange_for: Callable[[], HolderExchange] | None,
                  slot_params: Sequence[torch.nn.Parameter],
                  group_params: Sequence[torch.nn.Parameter] = ()) -> None:
         self.group = group

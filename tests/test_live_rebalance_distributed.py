@@ -399,8 +399,36 @@ def rebalancer_plain_loop_drives_migrations_and_keeps_losses():
     assert_replicas_identical(moving)
 
 
+def global_norm_clipping_equals_single_process_clipping():
+    dtype = torch.float64
+    model = Net(placements_for(5), dtype)
+    dense = Net(None, dtype, dense=True)
+    dense.load_state_dict(checkpoint.expert_state_dict(model)["model"])
+    x_all = torch.cat([batch(3, dtype, rank=r)[0] for r in range(WORLD)])
+    t_all = torch.cat([batch(3, dtype, rank=r)[1] for r in range(WORLD)])
+    ((dense(x_all) - t_all).pow(2).sum() / (WORLD * TOKENS)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1)
+    x, t = batch(3, dtype)
+    ((model(x) - t).pow(2).sum() / (WORLD * TOKENS)).backward()
+    norm = mb.clip_grad_norm_(model, 0.1)
+    assert_close(norm, expected.to(norm.dtype), rtol=1e-10, atol=0)
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad
+    for name, p in dense.named_parameters():
+        if "experts" in name:
+            layer = getattr(model, name.split(".")[0])
+            mine = p.grad.index_select(0, torch.tensor(layer.local_experts))
+            assert_close(grads[name], mine, rtol=1e-9, atol=1e-13)
+        else:
+            assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-13)
+    with pytest.raises(ValueError, match="max_norm"):
+        mb.clip_grad_norm_(model, 0)
+
+
 CASES = [
     live_placement_attributes_are_read_only,
+    global_norm_clipping_equals_single_process_clipping,
     apply_placement_rejects_another_topology,
     replica_gradient_traffic_scales_with_replicas_held,
     backward_sync_equals_manual_sync_also_under_accumulation,

@@ -25,6 +25,7 @@ import logging
 import time
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -40,6 +41,13 @@ __all__ = ["Rebalancer"]
 log = logging.getLogger("moebalance")
 
 ON_FAILURE = ("warn", "raise")
+
+
+def torch_optimizer(optimizer):
+    """The torch optimizer under a framework's wrapper (Lightning's, accelerate's), or None."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer      # the wrapped optimizer holds the state and the hooks
+    return optimizer
 
 
 def _optional_positive(value, name: str):
@@ -103,13 +111,17 @@ class Rebalancer:
         self.on_failure = on_failure
         self.model = model
         self.topology = topology
-        self.optimizer = optimizer
         self.blocking = bool(blocking)
         self.timeout_s = timeout_s
         self.max_bytes_in_flight = max_bytes_in_flight
         self.plan_options = dict(plan_options or {})
         self.group = self.layers[0].dispatcher.group
         self.world_size = world
+        optimizer = torch_optimizer(optimizer)
+        if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper of one), got "
+                            f"{type(optimizer).__name__}")
+        self.optimizer = optimizer
         if tracker is None:
             tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
         elif not isinstance(tracker, LoadTracker):
@@ -233,6 +245,10 @@ class Rebalancer:
             self._check_migration()
 
     # -- state -------------------------------------------------------------------------------------
+
+    def resume(self, steps: int) -> None:
+        """Continue counting from ``steps`` (a restarted job's optimizer steps so far)."""
+        self.steps = self._last_replan = int(steps)
 
     @property
     def migrating(self) -> bool:

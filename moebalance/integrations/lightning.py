@@ -1,0 +1,102 @@
+"""Lightning 2.x: ``RebalanceCallback`` re-plans and migrates the experts while ``Trainer.fit`` runs.
+
+::
+
+    from moebalance.integrations.lightning import RebalanceCallback
+    trainer = lightning.Trainer(callbacks=[RebalanceCallback(topology, every=200)])
+
+Seams: ``on_train_start`` builds the :class:`~moebalance.Rebalancer` over the LightningModule and
+the trainer's first optimizer; ``on_before_optimizer_step`` marks a batch that steps (with
+gradient accumulation only the last micro-batch does), and ``on_train_batch_end``, after that
+step, calls ``Rebalancer.step()``. ``on_save_checkpoint`` finishes a migration in flight and
+stores the experts by logical id (``checkpoint["moebalance"]``), which ``on_load_checkpoint``
+loads into whatever placement the model has. Replica gradients are final before Lightning clips
+them (they are reduced during backward).
+
+Importing this module imports Lightning (``lightning`` or ``pytorch_lightning``).
+"""
+
+from __future__ import annotations
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the standalone package name
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as exc:
+        raise ImportError("moebalance.integrations.lightning needs Lightning 2.x: "
+                          "pip install 'moebalance[lightning]' (or lightning>=2.2)") from exc
+
+from .. import checkpoint
+from ..nn import clip_grad_norm_
+from ..topology import Topology
+from .loop import Rebalancer, torch_optimizer
+
+__all__ = ["RebalanceCallback"]
+
+
+class RebalanceCallback(Callback):
+    """Lightning callback around :class:`~moebalance.Rebalancer`.
+
+    Args:
+        topology: the devices, one per rank of the expert-parallel group.
+        every, threshold, max_moves, ...: passed to :class:`~moebalance.Rebalancer`.
+        save_experts: store the experts by logical id in Lightning checkpoints (a collective on
+            every rank while saving).
+    """
+
+    def __init__(self, topology: Topology, every: int | None = 200, *, save_experts: bool = True,
+                 **rebalancer_options) -> None:
+        super().__init__()
+        self.topology = topology
+        self.every = every
+        self.save_experts = bool(save_experts)
+        self.options = rebalancer_options
+        self.rebalancer: Rebalancer | None = None
+        self._stepped = False
+        self._restored: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.rebalancer is None:
+            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+            self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every, **self.options)
+            if self._restored is not None:
+                self.rebalancer.load_state_dict(self._restored)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._stepped = True
+        # Lightning clips each rank by its own norm, which splits replicas; clip by the global
+        # norm first, after which Lightning's clipping to the same value changes nothing.
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
+        if trainer.gradient_clip_val and algorithm.endswith("norm"):
+            clip_grad_norm_(pl_module, float(trainer.gradient_clip_val))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._stepped and self.rebalancer is not None:
+            self._stepped = False
+            self.rebalancer.step()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.finish()
+
+    def on_save_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.finish()
+        if self.save_experts:
+            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+            ckpt["moebalance"] = checkpoint.expert_state_dict(pl_module, optimizer)
+
+    def on_load_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
+        if "moebalance" in ckpt:
+            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+            checkpoint.load_expert_state_dict(pl_module, ckpt["moebalance"], optimizer)
+
+    def state_dict(self) -> dict:
+        return {} if self.rebalancer is None else self.rebalancer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            self._restored = state_dict
+            if self.rebalancer is not None:
+                self.rebalancer.load_state_dict(state_dict)

@@ -1,0 +1,133 @@
+"""The three training-loop styles each drive a real live migration on 4 gloo ranks.
+
+Plain loop (:class:`moebalance.Rebalancer`), Lightning (``RebalanceCallback``) and the Hugging Face
+Trainer (``RebalanceTrainerCallback``) train the small moebalance language model on real text
+(the standard library's source) with devices of unlike speed; each must re-plan, move experts
+(weights and optimizer state) beside the step and keep the replicas identical.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import moebalance as mb
+from _dist import case_id, run_cases
+from moebalance.models import MoELanguageModel, TextBatches, lm_loss
+from test_live_rebalance_distributed import assert_replicas_identical
+
+WORLD = 4
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+SEQ, BATCH, STEPS, EVERY = 32, 4, 8, 3
+
+
+def small_model():
+    return MoELanguageModel(mb.plan(np.ones((2, 8)), TOPOLOGY), hidden=32, ffn=48, experts=8,
+                            top_k=2, layers=2, heads=2, seed=3)
+
+
+def check_migrated(rebalancer, model):
+    moved = [r for r in rebalancer.history if r["moves"] > 0]
+    assert moved, rebalancer.history
+    assert all(r["error"] is None and r["migration_s"] is not None for r in moved), moved
+    assert_replicas_identical(model)
+
+
+def plain_loop_drives_a_migration():
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rebalancer = mb.Rebalancer(model, TOPOLOGY, optimizer, every=EVERY)
+    data = TextBatches(SEQ, BATCH, WORLD, dist.get_rank(), seed=1)
+    for step in range(STEPS):
+        batch = data(step)
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:], WORLD * BATCH * SEQ)
+        optimizer.zero_grad()
+        loss.backward()
+        mb.clip_grad_norm_(model, 1.0)      # the global norm: replicas scale alike
+        optimizer.step()
+        rebalancer.step()
+    rebalancer.finish()
+    check_migrated(rebalancer, model)
+
+
+def _windows(rank: int) -> list:
+    data = TextBatches(SEQ, BATCH, WORLD, rank, seed=2)
+    return [row for step in range(STEPS) for row in data(step)]
+
+
+def lightning_callback_drives_a_migration():
+    import lightning as L
+
+    from moebalance.integrations.lightning import RebalanceCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = small_model()
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self.lm(batch[:, :-1]), batch[:, 1:], WORLD * BATCH * SEQ)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    module = Module()
+    callback = RebalanceCallback(TOPOLOGY, every=EVERY)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=1.0, callbacks=[callback])
+    loader = torch.utils.data.DataLoader(_windows(dist.get_rank()), batch_size=BATCH)
+    trainer.fit(module, loader)
+    check_migrated(callback.rebalancer, module)
+
+
+def hf_trainer_callback_drives_a_migration():
+    import transformers
+
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+
+    class HFModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = small_model()
+
+        def forward(self, input_ids, labels=None):
+            logits = self.lm(input_ids[:, :-1])
+            return {"loss": lm_loss(logits, input_ids[:, 1:], WORLD * BATCH * SEQ), "logits": logits}
+
+    model = HFModel()
+    callback = RebalanceTrainerCallback(TOPOLOGY, every=EVERY)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+        data = [{"input_ids": row} for row in _windows(dist.get_rank())]
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       callbacks=[callback])
+        assert trainer.args.world_size == 1      # the Trainer itself does not wrap the experts in DDP
+        trainer.train()
+    check_migrated(callback.rebalancer, model)
+
+
+CASES = [plain_loop_drives_a_migration]
+if importlib.util.find_spec("lightning") is not None:
+    CASES.append(lightning_callback_drives_a_migration)
+if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):
+    CASES.append(hf_trainer_callback_drives_a_migration)
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    return run_cases(CASES, world_size=WORLD, timeout_s=500.0, collective_timeout_s=60.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_training_loop(dist_results, case):
+    dist_results.check(case)
