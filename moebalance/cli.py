@@ -212,14 +212,15 @@ def build_parser() -> ArgumentParser:
 
     parser = ArgumentParser(prog="moebalance", description=(
         "Keep the experts of a Mixture-of-Experts model evenly loaded. Start with "
-        "'moebalance bench --quick' (about 30 s), or plan a placement for your own loads with "
+        "'moebalance bench --quick' (a few seconds once the Numba kernels are compiled), or plan a placement for your own loads with "
         "'moebalance plan LOADS.npy --devices N --slots K'."))
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{bench,plan,inspect}",
                                 parser_class=ArgumentParser)
 
-    bench = sub.add_parser("bench", help="planner benchmark against EPLB (default); "
-                                         "'bench dispatch --help' for the dispatch benchmark",
+    bench = sub.add_parser("bench", help="planner benchmark against EPLB (--quick: a short "
+                                         "run); 'bench dispatch --help' for the dispatch "
+                                         "benchmark",
                            description=planner.DESCRIPTION
                            + " 'moebalance bench dispatch ...' runs the dispatch benchmark.")
     planner.add_arguments(bench)

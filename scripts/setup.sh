@@ -31,8 +31,8 @@ step 2 "torch"
 if TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__)" 2>/dev/null); then
     done_step "found torch $TORCH; left as it is"
 else
-    echo "   no torch importable: installing the CPU build torch==2.13.0 (about 900 MB; the" \
-         "first download takes a minute or more)"
+    echo "   no torch importable: installing the CPU build torch==2.13.0 (a 190 MB wheel, 750 MB" \
+         "installed)"
     .venv/bin/python -m pip install --progress-bar on "torch==2.13.0"
     done_step "installed torch 2.13.0"
 fi
