@@ -69,6 +69,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loads = read_loads(args.loads, args.key)
     topology = topology_from_args(args)
     previous = read_placement(args.previous, "--previous")[0] if args.previous else None
+    if previous is not None and (
+            (previous.num_layers, previous.num_experts) != loads.shape
+            or not np.array_equal(previous.slot_device, topology.slot_device)):
+        raise UsageError(
+            f"--previous {args.previous!r} holds {_count(previous.num_layers, 'layer')} x "
+            f"{_count(previous.num_experts, 'expert')} on {_count(previous.num_slots, 'slot')} of "
+            f"{_count(previous.num_devices, 'device')}; these loads and devices are "
+            f"{_count(loads.shape[0], 'layer')} x {_count(loads.shape[1], 'expert')} on "
+            f"{_count(topology.num_slots, 'slot')} of {_count(topology.num_devices, 'device')}: "
+            f"give the placement planned for them, or leave --previous out for a first placement")
     before = jit_counts()
     try:
         start = time.perf_counter()
@@ -165,7 +175,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         loads = read_loads(args.loads, args.key, "--loads")
         if loads.shape != (p.num_layers, p.num_experts):
             raise UsageError(f"--loads has shape {list(loads.shape)} but the placement needs "
-                             f"[{p.num_layers}, {p.num_experts}]")
+                             f"[{p.num_layers}, {p.num_experts}] (layers, experts): give loads "
+                             f"of the model it was planned for")
         if topology is None:
             topology = Topology.from_arrays(np.ones(p.num_devices), slots_per_device)
             print("speeds: none given (--topology) or saved; all devices taken as equally fast")
@@ -173,7 +184,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                                                        p.slot_device):
             raise UsageError(f"the topology has {_count(topology.num_slots, 'slot')} on "
                              f"{_count(topology.num_devices, 'device')}; the placement "
-                             f"{p.num_slots} on {p.num_devices}")
+                             f"{p.num_slots} on {p.num_devices}: describe the devices it was "
+                             f"planned for" + (", or drop the topology flags to use the one "
+                                               "saved with it" if saved is not None else ""))
         print(_figures_line(loads, p, topology))
     if args.layout or args.layer is not None:
         layers = range(p.num_layers) if args.layer is None else [args.layer]

@@ -354,6 +354,8 @@ def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, 
      "--out: the folder"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--out", "{dir}"], "--out: "),
     (["inspect", "{text}"], "PLACEMENT: '{text}' holds text"),
+    (["plan", "{loads}", "--devices", "5", "--slots", "5", "--previous", "{placement}"],
+     "leave --previous out for a first placement"),
     (["inspect", "{missing}.npz"], "PLACEMENT"),
     (["inspect", "{loads}"], "PLACEMENT"),
     (["bench", "--repeats", "0"], "--repeats"),
@@ -368,15 +370,20 @@ def test_bad_input_exits_2_with_one_line_naming_the_argument(argv, named, loads_
     bad[1, 2] = np.nan
     np.save(tmp_path / "nan.npy", bad)
     (tmp_path / "text.npy").write_text("1,2,3\n4,5,6\n")
+    assert cli.main(["plan", str(path), "--devices", "4", "--slots", "5", "--out",
+                     str(tmp_path / "placement.npz")]) == 0
+    capsys.readouterr()
     np.savez(tmp_path / "archive.npz", loads=w)
     (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
     names = {"loads": str(path), "missing": str(tmp_path / "missing"), "dir": str(tmp_path),
              "nan": str(tmp_path / "nan.npy"), "text": str(tmp_path / "text.npy"),
-             "npz_as_npy": str(tmp_path / "archive.npy")}
+             "npz_as_npy": str(tmp_path / "archive.npy"),
+             "placement": str(tmp_path / "placement.npz")}
     rc, _, err = run_cli([a.format(**names) for a in argv], capsys)
     assert rc == 2
     assert named.format(**names) in err and "Traceback" not in err
-    assert "allow_pickle" not in err and "context manager" not in err and "pass previous" not in err
+    for leak in ("allow_pickle", "context manager", "pass previous", "previous=", "max_moves"):
+        assert leak not in err, leak
     assert len(err.strip().splitlines()) == 1, err
 
 
