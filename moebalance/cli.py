@@ -2,6 +2,7 @@
 
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
+    moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
 
@@ -203,17 +204,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return planner.run(args)
 
 
-def run_dispatch_bench(argv: Sequence[str]) -> int:
-    """``moebalance bench dispatch ...``: hand the rest of the line to the dispatch benchmark."""
+SUB_BENCHMARKS = ("dispatch", "train")   # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+
+
+def run_sub_bench(name: str, argv: Sequence[str]) -> int:
+    """``moebalance bench NAME ...``: hand the rest of the line to that benchmark's ``main``."""
+    import importlib
+
+    module = f"moebalance.benchmarks.{name}"
     try:
-        from .benchmarks import dispatch
+        bench = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name != "moebalance.benchmarks.dispatch":
+        if exc.name != module:
             raise
-        print("moebalance bench: error: the dispatch benchmark (moebalance.benchmarks.dispatch) "
-              "is not part of this installation", file=sys.stderr)
+        print(f"moebalance bench: error: the {name} benchmark ({module}) is not part of this "
+              f"installation", file=sys.stderr)
         return 2
-    return int(dispatch.main(list(argv)) or 0)
+    return int(bench.main(list(argv)) or 0)
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -232,10 +239,11 @@ def build_parser() -> ArgumentParser:
                                 parser_class=ArgumentParser)
 
     bench = sub.add_parser("bench", help="planner benchmark against EPLB (--quick: a short "
-                                         "run); 'bench dispatch --help' for the dispatch "
-                                         "benchmark",
+                                         "run); 'bench dispatch --help' and 'bench train --help' "
+                                         "for the dispatch and live-migration benchmarks",
                            description=planner.DESCRIPTION
-                           + " 'moebalance bench dispatch ...' runs the dispatch benchmark.")
+                           + " 'moebalance bench dispatch ...' runs the dispatch benchmark, "
+                             "'moebalance bench train ...' the live-migration benchmark.")
     planner.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -280,8 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["bench", *argv]  # options without a command are the benchmark's
-    if argv[:2] == ["bench", "dispatch"]:
-        return run_dispatch_bench(argv[2:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUB_BENCHMARKS:
+        return run_sub_bench(argv[1], argv[2:])
     if argv[:2] == ["bench", "planner"]:
         argv = ["bench", *argv[2:]]
     args = build_parser().parse_args(argv)

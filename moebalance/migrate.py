@@ -40,6 +40,7 @@ Legend: L layers, S global slots, G ranks, M moved slots, Ls local slots.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from contextlib import nullcontext
@@ -73,6 +74,21 @@ _BROKEN_GROUPS: list = []
 
 def _group_key(group) -> tuple:
     return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _flag_device(group, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a device the group's backend can reduce (NCCL: the current GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    return tensor
+
+
+def _same_everywhere(text: str, group) -> bool:
+    """Whether every rank of ``group`` passed the same ``text`` (min == max of a 62-bit digest)."""
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+    both = _flag_device(group, torch.tensor([digest, -digest], dtype=torch.int64))
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return int(both[0]) == digest and int(both[1]) == -digest
 
 
 class MigrationError(RuntimeError):
@@ -370,6 +386,8 @@ class Migrator:
             raise ValueError(f"slot_params has no slot tensors for layers {missing} that the plan "
                              f"changes; pass every layer's [gate_up, down] (or equivalent)")
         self._check_agreement(plan, slot_params, optimizer)
+        if plan.num_moves and self.world_size > 1:
+            self.transfer_group     # every rank connects now, also one that sends nothing yet
         self._count += 1
         return Migration(self, plan, {layer: list(slot_params[layer]) for layer in plan.changed_layers},
                          optimizer, self._count)
@@ -383,7 +401,7 @@ class Migrator:
                     raise TypeError(f"slot_params[{layer}] must hold tensors with a leading slot dim")
                 mine.append((layer, tuple(p.shape[1:]), str(p.dtype),
                              tuple((n, str(t.dtype)) for n, t in shaped_state(optimizer, p).items())))
-        if self.world_size == 1:
+        if self.world_size == 1 or _same_everywhere(repr(mine), self.group):
             return
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -425,6 +443,7 @@ class Migration:
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
         self._hooks = []
+        self._gloo = migrator.world_size == 1 or dist.get_backend(migrator.group) == "gloo"
         if optimizer is not None:
             self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                            optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -583,9 +602,16 @@ class Migration:
             for work in transfer.works:
                 if isinstance(work, _Failed):
                     raise work.exc
-                left = max(deadline - time.monotonic(), 0.001)
-                # On GPUs wait() orders the current stream after the transfer, host runs on.
-                work.wait(timedelta(seconds=min(left, timeout.total_seconds())))
+                if self._gloo:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    work.wait(timedelta(seconds=min(left, timeout.total_seconds())))
+                else:
+                    # NCCL: wait() orders the current stream after the transfer, the host runs
+                    # on; the group's own timeout (its watchdog) bounds a transfer that hangs.
+                    work.wait()
+            for _, _, rows_in in transfer.staged:
+                if rows_in.is_cuda:   # staged on the side stream, read on the current one
+                    rows_in.record_stream(torch.cuda.current_stream(rows_in.device))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the same error on all ranks
             return False, f"{type(exc).__name__}: {exc}".strip()
         return True, ""
@@ -595,6 +621,10 @@ class Migration:
         mig = self.migrator
         if mig.world_size == 1:
             return [] if ok else [(0, message)]
+        failed = _flag_device(mig.group, torch.tensor([0 if ok else 1], dtype=torch.int64))
+        dist.all_reduce(failed, group=mig.group)
+        if int(failed) == 0:
+            return []                        # the usual case: one small all-reduce, no pickling
         everyone = [None] * mig.world_size
         dist.all_gather_object(everyone, (bool(ok), message[:500]), group=mig.group)
         return [(rank, msg) for rank, (fine, msg) in enumerate(everyone) if not fine]

@@ -114,6 +114,7 @@ class MoELanguageModel(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.embed = nn.Embedding(VOCAB, hidden)
+            nn.init.normal_(self.embed.weight, std=0.02)   # tied head: logits start near zero
             blocks = []
             for i in range(layers):
                 if dense:

@@ -37,3 +37,12 @@ def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs():
                            "--steps", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "--nproc-per-node 4" in proc.stderr
+
+
+def test_train_rebalance_example_migrates_and_plots(tmp_path):
+    out = tmp_path / "train.png"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_rebalance.py"), "--steps", "8",
+                           "--every", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "re-plan:" in proc.stdout and out.is_file() and out.with_suffix(".json").is_file()

@@ -172,6 +172,22 @@ def rebalanced_run_matches_fixed_run_adamw_fp32():
     compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
 
 
+def rebalanced_run_matches_fixed_run_adamw_fp64():
+    fixed_losses, fixed_state, _ = run("adamw", torch.float64, {})
+    losses, state, reports = run("adamw", torch.float64, SCHEDULE, max_bytes=1)
+    assert sum(r["moves"] for r in reports) > 0
+    np.testing.assert_allclose(losses, fixed_losses, rtol=1e-10, atol=0)
+    compare_states(fixed_state, state, rtol=1e-9, atol=1e-12)
+
+
+def rebalanced_run_matches_fixed_run_sgd_momentum_fp32():
+    fixed_losses, fixed_state, _ = run("sgd", torch.float32, {})
+    losses, state, reports = run("sgd", torch.float32, SCHEDULE)
+    assert sum(r["moves"] for r in reports) > 0
+    np.testing.assert_allclose(losses, fixed_losses, rtol=1e-5, atol=0)
+    compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
+
+
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
     _, fixed_state, _ = run("sgd", torch.float64, {})
     _, state, _ = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
@@ -434,6 +450,8 @@ CASES = [
     backward_sync_equals_manual_sync_also_under_accumulation,
     rebalanced_run_matches_fixed_run_sgd_momentum_fp64,
     rebalanced_run_matches_fixed_run_adamw_fp32,
+    rebalanced_run_matches_fixed_run_adamw_fp64,
+    rebalanced_run_matches_fixed_run_sgd_momentum_fp32,
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..metrics import summary_imbalance
-from ..migrate import MigrationError
+from ..migrate import MigrationError, Migrator
 from ..nn import apply_placement, current_placement, moe_layers
 from ..planner import plan
 from ..topology import Topology
@@ -128,7 +128,11 @@ class Rebalancer:
             raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
         self.tracker = tracker
         self._rows = self._tracker_rows()
+        if world > 1:
+            # Connect the migration transfers now (a collective), not inside the first re-plan.
+            Migrator(self.group, timeout_s=timeout_s).transfer_group
         self.steps = 0
+        self.last_counts = None
         self.history: list[dict] = []
         self._migration = None
         self._report: dict | None = None
@@ -153,7 +157,7 @@ class Rebalancer:
         """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
         when this step started one, else None."""
         self.steps += 1
-        self.tracker.step()
+        self.last_counts = self.tracker.step()    # [L_tracked, E] of the step just closed, this rank
         self._check_migration()
         if self._migration is not None:
             return None                         # one migration at a time

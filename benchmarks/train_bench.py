@@ -1,0 +1,11 @@
+"""Live-migration cost in training, on 4 gloo ranks: see moebalance/benchmarks/train.py.
+
+    python benchmarks/train_bench.py [--quick]        # same as: moebalance bench train [--quick]
+"""
+
+import sys
+
+from moebalance.benchmarks.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())
