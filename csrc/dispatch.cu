@@ -67,16 +67,14 @@ __device__ __forceinline__ i64 warps_in_grid() { return (static_cast<i64>(gridDi
 
 // -- route ----------------------------------------------------------------------------------------
 
-// u = ((i * 2654435761) mod 2**32) >> 8; unsigned 32-bit arithmetic wraps modulo 2**32.
-__device__ __forceinline__ i64 hash24(i64 i) {
-    return static_cast<i64>((static_cast<unsigned int>(i) * 2654435761u) >> 8);
-}
-
-// slot_N[p] = slots_EX[e, j] for the first j with hash24(pair_offset + p) < thresholds_EX[e, j].
-// Out-of-range expert ids get slot -1 (checking them on the host would need a sync).
-extern "C" __global__ void route_pairs(const i64* __restrict__ ids_N, const i64* __restrict__ slots_EX,
-                                       const i64* __restrict__ thresholds_EX, i64 n, i64 num_experts,
-                                       i64 num_replicas, i64 pair_offset, i64* __restrict__ slot_N) {
+// slot_N[p] = slots_EX[e, j] for the first j with rank_N[p] < bounds_EX[e, j] (the last column
+// when there is none): rank_N[p] is the pair's place among this rank's pairs of expert e, and
+// bounds_EX the cumulative pairs this rank sends to e's replicas. Out-of-range expert ids get
+// slot -1 (checking them on the host would need a sync).
+extern "C" __global__ void route_pairs(const i64* __restrict__ ids_N, const i64* __restrict__ rank_N,
+                                       const i64* __restrict__ slots_EX,
+                                       const i64* __restrict__ bounds_EX, i64 n, i64 num_experts,
+                                       i64 num_replicas, i64* __restrict__ slot_N) {
     const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
     for (i64 p = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; p < n; p += stride) {
         const i64 e = ids_N[p];
@@ -84,10 +82,10 @@ extern "C" __global__ void route_pairs(const i64* __restrict__ ids_N, const i64*
             slot_N[p] = -1;
             continue;
         }
-        const i64 u = hash24(pair_offset + p);
-        const i64* thr = thresholds_EX + e * num_replicas;
+        const i64 r = rank_N[p];
+        const i64* bound = bounds_EX + e * num_replicas;
         i64 j = 0;
-        while (j < num_replicas - 1 && u >= thr[j]) ++j;
+        while (j < num_replicas - 1 && r >= bound[j]) ++j;
         slot_N[p] = slots_EX[e * num_replicas + j];
     }
 }

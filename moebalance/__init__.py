@@ -6,8 +6,9 @@ from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker, attach
 from .dispatch import Dispatcher
-from .nn import (ExpertParallelMoE, apply_placement, clip_grad_norm_, current_placement,
-                 reduce_replica_gradients)
+from .nn import ExpertParallelMoE
+from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
+                           reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
 
 __version__ = "0.1.0"

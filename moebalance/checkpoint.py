@@ -6,7 +6,7 @@ ranks. The functions here instead store every expert once, by logical id, in the
 :class:`~moebalance.nn.DenseMoE` (``experts.gate_up [E, 2F, D]``, ``experts.down [E, D, F]``),
 with the placement beside it, so that the result loads
 
-* into a model of ExpertParallelMoE layers under any other placement and any world size
+* into a model of expert-parallel layers under any other placement and any world size
   (:func:`load_expert_state_dict` picks each rank's rows by its slots' experts), and
 * into the same model built from DenseMoE layers (``model.load_state_dict(state["model"])``).
 
@@ -26,13 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .nn import ExpertParallelMoE, _first_holder_rows, current_placement, moe_layers
+from .expert_slots import ExpertSlots, current_placement, first_holder_rows, moe_layers
 from .placement import Placement
 
 __all__ = ["expert_state_dict", "load_expert_state_dict", "save", "load"]
-
-_SLOT_PARAMS = ("gate_up", "down")
-
 
 def _drain(layers) -> None:
     for layer in layers:
@@ -42,14 +39,14 @@ def _drain(layers) -> None:
 
 def _layer_prefixes(module: nn.Module) -> dict[int, str]:
     return {id(m): (name + "." if name else "") for name, m in module.named_modules()
-            if isinstance(m, ExpertParallelMoE)}
+            if isinstance(m, ExpertSlots)}
 
 
-def _gather_rows(rows_L: torch.Tensor, layer: ExpertParallelMoE) -> torch.Tensor:
+def _gather_rows(rows_L: torch.Tensor, layer: ExpertSlots) -> torch.Tensor:
     """[E, ...] by logical expert from every rank's [Ls, ...] slot rows (collective SUM)."""
     out = rows_L.new_zeros((layer.placement.num_experts, *rows_L.shape[1:]))
     device = rows_L.device
-    mine = _first_holder_rows(layer).to(device)       # each expert from one holder only
+    mine = first_holder_rows(layer).to(device)       # each expert from one holder only
     out.index_copy_(0, torch.tensor(layer.local_experts, device=device).index_select(0, mine),
                     rows_L.detach().index_select(0, mine))
     if layer.dispatcher.world_size > 1:
@@ -61,7 +58,7 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
     """The model (and optimizer) state with every expert stored once, by logical id. Collective.
 
     Args:
-        module: a model holding ExpertParallelMoE layers (or one such layer).
+        module: a model holding expert-parallel layers (or one such layer).
         optimizer: its optimizer, or None.
 
     Returns:
@@ -70,7 +67,7 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
     """
     layers = moe_layers(module)
     if not layers:
-        raise ValueError(f"{type(module).__name__} holds no ExpertParallelMoE layer")
+        raise ValueError(f"{type(module).__name__} holds no expert-parallel layer")
     _drain(layers)
     prefixes = _layer_prefixes(module)
     state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -79,9 +76,8 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
     for layer in layers:
         pre = prefixes[id(layer)]
         state.pop(pre + "_extra_state", None)
-        for name in _SLOT_PARAMS:
-            param = getattr(layer.experts, name)
-            state[pre + "experts." + name] = _gather_rows(param, layer)
+        for name, param in layer.named_slot_parameters():
+            state[pre + name] = _gather_rows(param, layer)
             slot_owner[id(param)] = layer
     placement = current_placement(module)
     out = {"model": state, "optimizer": None,
@@ -113,7 +109,7 @@ def load_expert_state_dict(module: nn.Module, state: dict,
                            optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load :func:`expert_state_dict` output into ``module``'s current placement, any world size.
 
-    Each ExpertParallelMoE layer takes the rows of the experts its slots hold now; every other
+    Each expert-parallel layer takes the rows of the experts its slots hold now; every other
     parameter loads as saved. With ``optimizer`` (built over ``module``'s parameters) its state
     is restored the same way and its hyperparameters set to the saved ones.
     """
@@ -128,14 +124,15 @@ def load_expert_state_dict(module: nn.Module, state: dict,
     for layer in layers:
         pre = prefixes[id(layer)]
         local = torch.from_numpy(layer.local_experts.copy())
-        for name in _SLOT_PARAMS:
-            key = pre + "experts." + name
+        num_experts = layer.placement.num_experts
+        for name, param in layer.named_slot_parameters():
+            key = pre + name
             full = model_state.get(key)
-            if full is None or full.shape[0] != layer.num_experts:
-                raise ValueError(f"{key} in state must hold all {layer.num_experts} experts by logical "
+            if full is None or full.shape[0] != num_experts:
+                raise ValueError(f"{key} in state must hold all {num_experts} experts by logical "
                                  f"id, got {None if full is None else tuple(full.shape)}")
             model_state[key] = full.index_select(0, local.to(full.device))
-            slot_rows[id(getattr(layer.experts, name))] = local
+            slot_rows[id(param)] = local
         model_state[pre + "_extra_state"] = layer.get_extra_state()
     module.load_state_dict(model_state, strict=True)
     if optimizer is None:

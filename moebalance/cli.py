@@ -3,6 +3,7 @@
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
     moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
+    moebalance bench resplit ...                      per-step re-split benchmark
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
 
@@ -204,7 +205,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return planner.run(args)
 
 
-SUB_BENCHMARKS = ("dispatch", "train")   # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+# `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
+SUB_BENCHMARKS = ("dispatch", "train", "resplit")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:
@@ -239,11 +241,13 @@ def build_parser() -> ArgumentParser:
                                 parser_class=ArgumentParser)
 
     bench = sub.add_parser("bench", help="planner benchmark against EPLB (--quick: a short "
-                                         "run); 'bench dispatch --help' and 'bench train --help' "
-                                         "for the dispatch and live-migration benchmarks",
+                                         "run); 'bench dispatch --help', 'bench train --help' and "
+                                         "'bench resplit --help' for the dispatch, live-migration "
+                                         "and per-step re-split benchmarks",
                            description=planner.DESCRIPTION
                            + " 'moebalance bench dispatch ...' runs the dispatch benchmark, "
-                             "'moebalance bench train ...' the live-migration benchmark.")
+                             "'moebalance bench train ...' the live-migration benchmark, "
+                             "'moebalance bench resplit ...' the per-step re-split benchmark.")
     planner.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -51,6 +51,18 @@ def run_guarded(fn: Callable[[], int], prog: str = "moebalance") -> int:
         return 2
 
 
+def run_subcommand(name: str, description: str, add_arguments: Callable, run: Callable,
+                   argv=None) -> int:
+    """``moebalance bench <name> ...`` as a function: parse ``argv`` (default ``sys.argv[1:]``,
+    without the program name) with ``add_arguments``, then ``run(args, command line)`` guarded."""
+    prog = f"moebalance bench {name}"
+    parser = ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    return run_guarded(lambda: run(args, ["moebalance", "bench", name, *argv]), prog=prog)
+
+
 # -- argument types (argparse names the flag in its message) --------------------------------------
 
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch.dispatcher import Dispatcher
-from .migrate import Migrator, plan_migration, row_bytes
+from .expert_slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
+                           moe_layers, reduce_replica_gradients)
 from .placement import Placement
-from .replica_sync import GradientSync, HolderExchange
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
@@ -146,21 +146,94 @@ class SlotExperts(nn.Module):
         _uniform_(self.gate_up[slot], self.hidden_dim ** -0.5, gen)
         _uniform_(self.down[slot], self.ffn_dim ** -0.5, gen)
 
+    # The grouped GEMM path runs where torch has it for the rows' dtype; False forces the loop.
+    use_grouped_mm = True
+
     def forward(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
         """Apply slot i to its contiguous rows.
 
         Args:
             x_MD: [M, D], rows grouped by slot.
-            tokens_per_slot: [slots] ints summing to M, rows of each slot.
+            tokens_per_slot: [slots] ints summing to M, rows of each slot (host ints, or an
+                integer tensor on x's device).
 
         Returns:
             y_MD: [M, D].
+
+        Two paths compute the same function: one ``torch._grouped_mm`` per projection over all
+        slots (:func:`grouped_swiglu`) where it runs, else the loop over slots
+        (:func:`looped_swiglu`, the reference the tests compare against).
         """
-        # Empty slots still run (on zero rows) so that the output always depends on the
-        # parameters: every rank then joins the backward exchanges, even one that got no rows.
-        chunks = torch.split(x_MD, list(tokens_per_slot))
-        return torch.cat([swiglu(rows, self.gate_up[s], self.down[s])
-                          for s, rows in enumerate(chunks)])
+        if self.use_grouped_mm and grouped_mm_runs(x_MD, self.ffn_dim):
+            return grouped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
+        if isinstance(tokens_per_slot, torch.Tensor):
+            tokens_per_slot = tokens_per_slot.tolist()
+        return looped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
+
+
+def looped_swiglu(x_MD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+                  tokens_per_slot) -> torch.Tensor:
+    """Slot l's SwiGLU on its contiguous rows, one slot at a time (the reference).
+
+    Args: x_MD [M, D] rows grouped by slot; gate_up_L2FD [Ls, 2F, D]; down_LDF [Ls, D, F];
+    tokens_per_slot [Ls] host ints summing to M. Returns y_MD [M, D].
+    """
+    # Empty slots still run (on zero rows) so that the output always depends on the
+    # parameters: every rank then joins the backward exchanges, even one that got no rows.
+    chunks = torch.split(x_MD, list(tokens_per_slot))
+    return torch.cat([swiglu(rows, gate_up_L2FD[s], down_LDF[s]) for s, rows in enumerate(chunks)])
+
+
+def grouped_mm_runs(x_MD: torch.Tensor, ffn_dim: int) -> bool:
+    """Whether :func:`grouped_swiglu` runs for rows like ``x_MD`` and expert hidden size F:
+    torch has ``_grouped_mm``, takes the dtype there (float32 and bfloat16 on the CPU;
+    bfloat16 on a CUDA GPU of compute capability 9.0 or later), and rows of D and of F
+    elements are multiples of 16 bytes (its stride rule), and there is at least one row (its
+    backward fails on none)."""
+    if not hasattr(torch, "_grouped_mm") or x_MD.shape[0] == 0:
+        return False
+    size = x_MD.element_size()
+    if (x_MD.shape[1] * size) % 16 or (ffn_dim * size) % 16 or not x_MD.is_contiguous():
+        return False
+    if x_MD.device.type == "cpu":
+        return x_MD.dtype in (torch.float32, torch.bfloat16)
+    if x_MD.device.type == "cuda":
+        return (x_MD.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x_MD.device) >= (9, 0))
+    return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: ``_grouped_mm``'s backward
+    rejects the stride-0 gradients that e.g. ``y.sum().backward()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_swiglu(x_MD: torch.Tensor, gate_up_L2FD: torch.Tensor, down_LDF: torch.Tensor,
+                   tokens_per_slot) -> torch.Tensor:
+    """:func:`looped_swiglu` with one grouped GEMM per projection over all slots.
+
+    Args: as :func:`looped_swiglu`; ``tokens_per_slot`` may also be an integer tensor on
+    x's device (no host round trip).
+    """
+    if isinstance(tokens_per_slot, torch.Tensor):
+        offs = torch.cumsum(tokens_per_slot.to(x_MD.device), 0).to(torch.int32)
+    else:
+        offs = torch.tensor(list(tokens_per_slot), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        if x_MD.device.type != "cpu":
+            # Pinned and non-blocking: a pageable host-to-device copy would stall the stream.
+            offs = offs.pin_memory().to(x_MD.device, non_blocking=True)
+    h_M2F = torch._grouped_mm(x_MD, gate_up_L2FD.transpose(1, 2), offs=offs)
+    gate, up = _ContiguousGrad.apply(h_M2F).chunk(2, dim=-1)
+    y_MD = torch._grouped_mm(F.silu(gate) * up, down_LDF.transpose(1, 2), offs=offs)
+    return _ContiguousGrad.apply(y_MD)
 
 
 class DenseMoE(nn.Module):
@@ -209,7 +282,7 @@ class DenseMoE(nn.Module):
         return out.reshape(hidden_states.shape)
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(ExpertSlots):
     """SwiGLU MoE layer whose experts are spread over the ranks of a group by a placement.
 
     Args:
@@ -226,7 +299,8 @@ class ExpertParallelMoE(nn.Module):
             gives it); None draws a seed from rank 0's global generator and broadcasts it, a
             construction-time collective.
         exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); nodes: the
-            node of each rank, to keep tokens on their node; see
+            node of each rank, to keep tokens on their node; resplit, speeds: re-split each
+            step's tokens over the existing replicas by the devices' speeds; see
             :class:`~moebalance.dispatch.Dispatcher`.
         grad_sync: "backward" (default): replica and router gradients are reduced during
             backward and are final when ``backward()`` returns (before gradient clipping);
@@ -252,20 +326,15 @@ class ExpertParallelMoE(nn.Module):
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
                  exchange: str = "auto", nodes=None, grad_sync: str = "backward",
-                 sync_router: bool = True) -> None:
+                 sync_router: bool = True, resplit: bool = False, speeds=None) -> None:
         super().__init__()
         self.hidden_dim = _positive_int(hidden_size, "hidden_size")
         self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
         self.num_experts = _positive_int(num_experts, "num_experts")
         self.top_k = _positive_int(top_k, "top_k")
-        if not isinstance(placement, Placement):
-            raise TypeError(f"placement must be a moebalance.Placement, got {type(placement).__name__}")
-        if placement.num_experts != self.num_experts:
-            raise ValueError(f"placement has {placement.num_experts} experts but num_experts="
-                             f"{num_experts}; plan the placement for this layer's experts")
-        if grad_sync not in GRAD_SYNC:
-            raise ValueError(f"grad_sync must be one of {list(GRAD_SYNC)}, got {grad_sync!r}")
-        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes)
+        self._check_placement(placement, layer, self.num_experts)
+        self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
+                                     speeds=speeds)
         if router is None:
             router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         elif not isinstance(router, nn.Module):
@@ -274,65 +343,13 @@ class ExpertParallelMoE(nn.Module):
         self.router = router
         local = self.dispatcher.local_slots(placement, layer)
         self.experts = SlotExperts(len(local), hidden_size, ffn_hidden_size)
-        self._pending = None
-        self._set_placement(placement, layer)
-        self.grad_sync = grad_sync
         self.sync_router = bool(sync_router)
-        self._sync = None
-        if self.dispatcher.world_size > 1:
-            router_params = list(self.router.parameters()) if self.sync_router else []
-            self._sync = GradientSync(self.dispatcher.group, lambda: self._exchange,
-                                      [self.experts.gate_up, self.experts.down], router_params)
-            self._sync.enabled = grad_sync == "backward"
+        self._init_slots(placement, layer, grad_sync=grad_sync,
+                         group_params=list(self.router.parameters()) if self.sync_router else ())
         self.reset_parameters(seed)
 
-    # -- placement ------------------------------------------------------------------------------
-
-    def _read_only(name: str):  # noqa: N805 - builds properties at class creation
-        def get(self):
-            return self.__dict__["_" + name]
-
-        def refuse(self, value):
-            raise AttributeError(
-                f"ExpertParallelMoE.{name} is read-only: the slot rows, routing tables and "
-                f"gradient sync follow the placement together; change it with "
-                f"moe.apply_placement(new_placement, optimizer) (or moebalance.apply_placement(model, "
-                f"new_placement, optimizer) for every layer of a model)")
-
-        return property(get, refuse, doc=f"The layer's current {name} (read-only).")
-
-    placement = _read_only("placement")
-    layer = _read_only("layer")
-    local_experts = _read_only("local_experts")
-    del _read_only
-
-    def _set_placement(self, placement: Placement, layer: int) -> None:
-        """Adopt ``placement`` for routing and gradient sync (slot storage keeps its shape)."""
-        local = self.dispatcher.local_slots(placement, layer)
-        if len(local) != self.experts.num_slots:
-            raise ValueError(f"placement gives rank {self.dispatcher.rank} {len(local)} slots but "
-                             f"this layer stores {self.experts.num_slots}; placements must keep "
-                             f"the topology's slots")
-        experts = placement.phy2log[layer, local.start:local.stop].copy()
-        experts.setflags(write=False)
-        self.__dict__["_placement"] = placement
-        self.__dict__["_layer"] = int(layer)
-        self.__dict__["_local_experts"] = experts
-        self._exchange = HolderExchange(placement.phy2log[layer], placement.slot_device,
-                                        self.dispatcher.rank, tag=int(layer))
-
-    def apply_placement(self, new: Placement, optimizer=None, **options):
-        """Move this layer to ``new`` (weights and optimizer state); see :func:`apply_placement`."""
-        return apply_placement(self, new, optimizer, **options)
-
-    @property
-    def pending_migration(self):
-        """The :class:`~moebalance.migrate.Migration` this layer still has to commit, or None."""
-        return self._pending
-
-    def replica_sync_bytes(self) -> int:
-        """Bytes this rank sends per step to reduce its expert replicas' gradients (holders only)."""
-        return self._exchange.bytes_sent([self.experts.gate_up, self.experts.down])
+    def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [("experts.gate_up", self.experts.gate_up), ("experts.down", self.experts.down)]
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Initialise the default router and every local slot from ``seed`` (see the class)."""
@@ -370,43 +387,18 @@ class ExpertParallelMoE(nn.Module):
             moe.experts.down.copy_(dense.experts.down.index_select(0, experts))
         return moe
 
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def get_extra_state(self) -> dict:
-        p = self.placement
-        return {"layer": self.layer, "phy2log": p.phy2log[self.layer].tolist(),
-                "share": p.share[self.layer].tolist(), "slot_device": p.slot_device.tolist(),
-                "num_experts": p.num_experts}
-
-    def set_extra_state(self, state: dict) -> None:
-        """Resume the placement row a per-rank checkpoint was saved under (its rows came with it)."""
-        current = self.placement
-        if (state.get("num_experts") != current.num_experts
-                or state.get("slot_device") != current.slot_device.tolist()):
-            raise ValueError(
-                f"this checkpoint of layer {self.layer} was saved for devices/slots "
-                f"{np.bincount(state.get('slot_device', [])).tolist()} and "
-                f"{state.get('num_experts')} experts; this layer runs "
-                f"{np.bincount(current.slot_device).tolist()} and {current.num_experts}: load it by "
-                f"logical expert with moebalance.checkpoint.load_expert_state_dict")
-        if self._pending is not None:
-            self._pending.wait()
-        phy2log = current.phy2log.copy()
-        share = current.share.copy()
-        phy2log[self.layer] = state["phy2log"]
-        share[self.layer] = state["share"]
-        self._set_placement(Placement(phy2log, share, current.slot_device, current.num_experts)
-                            .validate(), self.layer)
-
     # -- forward --------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``."""
+        self._commit_pending()
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
-            raise ValueError(f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
-                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
-        if self._pending is not None:
-            self._commit_pending()
+            # The other ranks are entering the dispatch: join its count exchange with a flag so
+            # that they raise too instead of waiting for this rank.
+            self.dispatcher.abort(ValueError(
+                f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
+                f"{tuple(getattr(hidden_states, 'shape', ()))}"), self.placement, self.layer,
+                device=getattr(hidden_states, "device", None))
         x_TD = hidden_states.reshape(-1, self.hidden_dim)
         _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
@@ -414,218 +406,8 @@ class ExpertParallelMoE(nn.Module):
         y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
         return self.dispatcher.combine(y_MD, handle).reshape(hidden_states.shape)
 
-    def _commit_pending(self) -> None:
-        """Before this layer's first forward after a boundary: put its staged rows in place."""
-        migration = self._pending
-        migration.commit(self.layer)
-        if not migration.pending(self.layer):
-            self._pending = None
-
     # -- gradient sync --------------------------------------------------------------------------
 
     def reduce_replica_gradients(self, include_router: bool = True) -> None:
         """Reduce this layer's gradients now; see :func:`reduce_replica_gradients`."""
         reduce_replica_gradients(self, include_router=include_router)
-
-
-GRAD_SYNC = ("backward", "manual")
-
-
-def moe_layers(module: nn.Module) -> list[ExpertParallelMoE]:
-    """The :class:`ExpertParallelMoE` layers of ``module`` (itself included), in module order."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    return [m for m in module.modules() if isinstance(m, ExpertParallelMoE)]
-
-
-def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) -> None:
-    """Make every expert replica's gradient the gradient of its whole logical expert, now.
-
-    For layers built with ``grad_sync="backward"`` (the default) this already happened during
-    backward and the call does nothing. For ``grad_sync="manual"`` layers, call it on every rank
-    of the expert-parallel group after ``backward()`` and before ``optimizer.step()``:
-
-    * experts with more than one replica: each holder exchanges its gradient rows with the other
-      holders of the expert only and sums them in holder-rank order, so replicas that start
-      identical stay identical under any deterministic optimizer; experts with one replica need
-      nothing. Per step a rank sends ``(h - 1)`` rows per replicated expert it holds
-      (``ExpertParallelMoE.replica_sync_bytes()``), not a dense buffer of all replicated experts;
-    * the router (replicated on every rank), when ``include_router`` and the layer's
-      ``sync_router``: its gradient is summed over the ranks (SUM, so scale each rank's loss by
-      1 / global tokens to match one process on the global batch).
-    """
-    for layer in moe_layers(module):
-        if layer._sync is None or layer.grad_sync != "manual":
-            continue
-        ex, exchange, group = layer.experts, layer._exchange, layer.dispatcher.group
-        posted = [(p, exchange.post(p.grad if p.grad is not None else torch.zeros_like(p), kind, group))
-                  for kind, p in enumerate((ex.gate_up, ex.down))]
-        for p, post in posted:
-            total = exchange.finish(post)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.index_copy_(0, exchange.rep_slots.to(p.device), total.to(p.grad.dtype))
-        if include_router and layer.sync_router:
-            for p in layer.router.parameters():
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-
-
-def current_placement(module: nn.Module) -> Placement:
-    """The placement the layers of ``module`` hold now: row ``layer.layer`` from each layer.
-
-    During a migration that moves layers one by one, some layers hold rows of the new placement
-    and some of the old; the result is the placement in force, layer by layer.
-    """
-    layers = moe_layers(module)
-    if not layers:
-        raise ValueError(f"{type(module).__name__} holds no ExpertParallelMoE layer")
-    base = layers[0].placement
-    phy2log, share = base.phy2log.copy(), base.share.copy()
-    for layer in layers:
-        p = layer.placement
-        if p.phy2log.shape != base.phy2log.shape or not np.array_equal(p.slot_device, base.slot_device):
-            raise ValueError("the ExpertParallelMoE layers of this module follow placements of "
-                             "different shapes; one placement must cover all of them")
-        phy2log[layer.layer] = p.phy2log[layer.layer]
-        share[layer.layer] = p.share[layer.layer]
-    return Placement(phy2log, share, base.slot_device, base.num_experts)
-
-
-def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topology=None,
-                    blocking: bool = True, timeout_s: float = 60.0,
-                    max_bytes_in_flight: int | None = None):
-    """Move every :class:`ExpertParallelMoE` layer of ``module`` to placement ``new``.
-
-    The one public way to change a live placement. Call on every rank of the group at a step
-    boundary (after ``optimizer.step()``), with the same ``new`` everywhere.
-
-    Args:
-        module: an ExpertParallelMoE or a model holding them (all in one process group).
-        new: the placement to reach, for the same topology (devices and their slots).
-        optimizer: the optimizer that updates the experts: every state tensor shaped like a slot
-            tensor (momentum, Adam moments) moves with its rows. None moves weights only.
-        topology: the devices (their nodes pick nearby senders); optional.
-        blocking: True: finish now (transfers, then every layer commits). False: return at once;
-            each layer commits right before its next forward, so the transfers run beside
-            whatever comes first (see :mod:`moebalance.migrate`).
-        timeout_s: how long a layer's commit waits for its transfers before the migration fails.
-        max_bytes_in_flight: start only as many layers per step boundary as fit (at least one).
-
-    Returns:
-        The :class:`~moebalance.migrate.Migration` (``report()`` has moves, bytes and time).
-
-    Raises:
-        MigrationError: with ``blocking``, on every rank, if a transfer failed; the layers keep a
-            valid placement (the old one where the new one did not commit) and no row is lost.
-    """
-    layers = moe_layers(module)
-    if not layers:
-        raise ValueError(f"{type(module).__name__} holds no ExpertParallelMoE layer")
-    if not isinstance(new, Placement):
-        raise TypeError(f"new must be a moebalance.Placement, got {type(new).__name__}")
-    groups = {id(layer.dispatcher.group) for layer in layers}
-    if len(groups) != 1:
-        raise ValueError("the ExpertParallelMoE layers of module use different process groups; "
-                         "apply a placement to each group's layers separately")
-    if len({layer.layer for layer in layers}) != len(layers):
-        raise ValueError("two ExpertParallelMoE layers of module share a placement layer index; "
-                         "give each layer its own `layer`")
-    for layer in layers:
-        if layer._pending is not None:
-            layer._pending.wait()
-    old = current_placement(module)
-    new.validate()
-    params = {layer.layer: [layer.experts.gate_up, layer.experts.down] for layer in layers}
-    plan = plan_migration(old, new, topology,
-                          expert_bytes=max(row_bytes(p, optimizer) for p in params.values()))
-    migrator = Migrator(layers[0].dispatcher.group, timeout_s=timeout_s,
-                        max_bytes_in_flight=max_bytes_in_flight)
-    migration = migrator.start(plan, params, optimizer)
-    for layer in layers:
-        if layer.layer in plan.changed_layers:
-            layer._pending = migration
-            migration.on_commit(layer.layer, lambda index, layer=layer: layer._set_placement(
-                plan.target, index))
-    if blocking:
-        try:
-            migration.wait()
-        finally:
-            for layer in layers:
-                layer._pending = None
-    return migration
-
-
-def _first_holder_rows(layer: ExpertParallelMoE) -> torch.Tensor:
-    """Local slots whose expert has no replica on a lower global slot (each expert counted once)."""
-    placement, index = layer.placement, layer.layer
-    phy2log = placement.phy2log[index]
-    first = np.full(placement.num_experts, -1, dtype=np.int64)
-    first[phy2log[::-1]] = np.arange(phy2log.size)[::-1]
-    lo = int(np.searchsorted(placement.slot_device, layer.dispatcher.rank))
-    local = np.arange(lo, lo + layer.experts.num_slots)
-    return torch.from_numpy(np.flatnonzero(first[layer.local_experts] == local))
-
-
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of an expert-parallel model by their *global* norm. Collective.
-
-    ``torch.nn.utils.clip_grad_norm_`` on each rank sees only that rank's slots, so ranks scale by
-    different factors and replicas of one expert drift apart. Here every logical expert counts
-    once (its first holder's rows) and every parameter outside the expert slots once (it is
-    replicated: its gradient is the same on every rank), the norm is reduced over the group, and
-    every rank scales by the same factor. After it, any rank's local norm is at most the global
-    one, so a framework's own per-rank clipping to the same ``max_norm`` changes nothing.
-
-    Args:
-        module: a model holding ExpertParallelMoE layers (one process group).
-        max_norm: the largest allowed global norm.
-        norm_type: 2.0 or ``float("inf")``.
-
-    Returns:
-        The global norm before clipping (a 0-dim tensor).
-    """
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
-    if norm_type not in (2.0, 2, float("inf")):
-        raise ValueError(f"norm_type must be 2.0 or float('inf'), got {norm_type!r}")
-    layers = moe_layers(module)
-    group = layers[0].dispatcher.group if layers else None
-    world = layers[0].dispatcher.world_size if layers else 1
-    rank = layers[0].dispatcher.rank if layers else 0
-    slot_rows = {}
-    for layer in layers:
-        rows = _first_holder_rows(layer)
-        for p in (layer.experts.gate_up, layer.experts.down):
-            slot_rows[id(p)] = rows
-    grads, parts = [], []
-    for p in module.parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        if id(p) in slot_rows:
-            g = p.grad.index_select(0, slot_rows[id(p)].to(p.grad.device))
-        elif rank == 0:
-            g = p.grad
-        else:
-            continue
-        g = g.detach().double()
-        parts.append(g.abs().max() if norm_type == float("inf") and g.numel() else g.pow(2).sum())
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.stack(parts).to(device) if parts else torch.zeros(1, dtype=torch.float64, device=device)
-    if norm_type == float("inf"):
-        total = total.max() if total.numel() else total.sum()
-        if world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        norm = total
-    else:
-        total = total.sum()
-        if world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm

@@ -136,24 +136,27 @@ class GradientSync:
             when there are no slot tensors.
         slot_params: the slot tensors ([Ls, ...] each) whose replicated rows are reduced.
         group_params: tensors replicated on every rank whose gradients are summed over the group.
+        scale: factor on every reduced gradient (1: gradients of the sum of the ranks' losses;
+            1 / G: of their mean, for losses that each rank averages over its own tokens).
 
     ``enabled`` False makes the hooks pass gradients through untouched (manual reduction).
     """
 
     def __init__(self, group, exchange_for: Callable[[], HolderExchange] | None,
                  slot_params: Sequence[torch.nn.Parameter],
-                 group_params: Sequence[torch.nn.Parameter] = ()) -> None:
+                 group_params: Sequence[torch.nn.Parameter] = (), *, scale: float = 1.0) -> None:
         self.group = group
         self.exchange_for = exchange_for
+        self.scale = float(scale)
+        self.group_params = [p for p in group_params if p.requires_grad]
         self.enabled = True
         self._pending: list[Callable[[], None]] = []
         self._queued = False
         self._handles = []
         for kind, param in enumerate(slot_params):
             self._handles.append(param.register_hook(self._slot_hook(param, kind)))
-        for param in group_params:
-            if param.requires_grad:
-                self._handles.append(param.register_hook(self._group_hook(param)))
+        for param in self.group_params:
+            self._handles.append(param.register_hook(self._group_hook(param)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -175,20 +178,23 @@ class GradientSync:
             if not self.enabled:
                 return None
             exchange = self.exchange_for()
+            scaled = grad if self.scale == 1.0 else grad * self.scale
             if exchange.num_held == 0 and not exchange.peers:
-                return None
+                return None if self.scale == 1.0 else scaled
             posted = exchange.post(grad, kind, self.group)
             rows = exchange.rep_slots.to(grad.device)
 
             def add_sum():
                 total = exchange.finish(posted)
+                if self.scale != 1.0:
+                    total = total * self.scale
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 param.grad.index_add_(0, rows, total.to(param.grad.dtype))
 
             self._pending.append(add_sum)
             self._queue_finish()
-            return grad.index_fill(0, rows, 0)
+            return scaled.index_fill(0, rows, 0)
 
         return reduce_replicas
 
@@ -203,7 +209,7 @@ class GradientSync:
                 work.wait()
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                param.grad += total
+                param.grad += total if self.scale == 1.0 else total * self.scale
 
             self._pending.append(add_sum)
             self._queue_finish()

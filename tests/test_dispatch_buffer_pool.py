@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
-from moebalance.dispatch.dispatcher import _BufferPool, release_buffers
+from moebalance.dispatch.buffers import _BufferPool, release_buffers
 from moebalance.placement import Placement
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 from moebalance import Placement
 from moebalance.backends import has_cupy_gpu
 from moebalance.dispatch import numba_kernels, reference
-from moebalance.dispatch.routing import routing_table
+from moebalance.dispatch.routing import replica_flows, replica_table
 
 # (T tokens, K top-k, E experts, S slots, D hidden): T=0, K=1..8, odd sizes, more slots than used.
 SHAPES = [(0, 2, 4, 6, 8), (1, 1, 3, 3, 5), (37, 8, 16, 24, 33), (200, 4, 8, 12, 64),
@@ -41,8 +41,22 @@ def _placement(gen: np.random.Generator, E: int, S: int) -> Placement:
     return Placement(phy2log[None], share[None], device, E).validate()
 
 
+def _route_args(placement: Placement, ids: torch.Tensor, gen: np.random.Generator) -> tuple:
+    """(rank_TK, slots_EX, bounds_EX) routing ``ids`` from a random rank of ``placement`` whose
+    other ranks hold random counts: what the Dispatcher passes to ``route``."""
+    G, E = placement.num_devices, placement.num_experts
+    rank = int(gen.integers(G))
+    table = replica_table(placement, 0)
+    counts = torch.from_numpy(gen.integers(0, 50, (G, E)))
+    _, place, counts[rank] = reference.sort_by_slot(ids, E)
+    flow = replica_flows(counts, table.share_EX, table.device_EX)
+    rank_TK = place - (torch.cumsum(counts[rank], 0) - counts[rank])[ids]
+    return rank_TK, table.slots_EX, torch.cumsum(flow[rank], dim=1)
+
+
 def _case(shape, seed: int, dtype=torch.float32):
-    """Random routed inputs: ids (experts 0 and 1 get no tokens when E > 3), a table, rows, weights."""
+    """Random routed inputs: ids (experts 0 and 1 get no tokens when E > 3), the route arguments
+    (rank_TK, slots_EX, bounds_EX), rows, weights."""
     T, K, E, S, D = shape
     gen = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -50,16 +64,14 @@ def _case(shape, seed: int, dtype=torch.float32):
     low = 2 if E > 3 else 0
     rows = [gen.choice(np.arange(low, E), size=K, replace=K > E - low) for _ in range(T)]
     ids = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(T, K))
-    table = routing_table(placement, 0, int(gen.integers(placement.num_devices)),
-                          placement.num_devices)
     x = torch.randn(T, D, dtype=dtype)
     w = torch.rand(T, K, dtype=dtype)
-    return ids, table, x, w
+    return ids, _route_args(placement, ids, gen), x, w
 
 
 def _sorted(shape, seed, dtype=torch.float32):
-    ids, table, x, w = _case(shape, seed, dtype)
-    slot = reference.route(ids, table.slots_EX, table.thresholds_EX, 3 * seed)
+    ids, route_args, x, w = _case(shape, seed, dtype)
+    slot = reference.route(ids, *route_args)
     order, pos, counts = reference.sort_by_slot(slot, shape[3])
     return slot, order, pos, counts, x, w
 
@@ -68,11 +80,28 @@ def _sorted(shape, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("pair_offset", [0, 977, 2 ** 40 + 3])
-def test_numba_route_equals_reference(shape, pair_offset):
-    ids, table, _, _ = _case(shape, seed=1)
-    args = (ids, table.slots_EX, table.thresholds_EX, pair_offset)
-    assert torch.equal(numba_kernels.route(*args), reference.route(*args))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_numba_route_equals_reference(shape, seed):
+    ids, route_args, _, _ = _case(shape, seed=seed)
+    assert torch.equal(numba_kernels.route(ids, *route_args), reference.route(ids, *route_args))
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_route_sends_each_replica_its_flow_in_pair_order(shape):
+    ids, (rank_TK, slots_EX, bounds_EX), _, _ = _case(shape, seed=12)
+    slot = reference.route(ids, rank_TK, slots_EX, bounds_EX)
+    flow_EX = torch.diff(bounds_EX, dim=1, prepend=torch.zeros_like(bounds_EX[:, :1]))
+    got = torch.bincount(slot.reshape(-1), minlength=shape[3])
+    valid = slots_EX >= 0
+    want = torch.zeros(shape[3], dtype=torch.int64)
+    want[slots_EX[valid]] = flow_EX[valid]
+    assert torch.equal(got, want)
+    # within one expert, a replica's pairs are a contiguous run of the expert's pairs
+    for e in range(slots_EX.shape[0]):
+        picked = slot.reshape(-1)[ids.reshape(-1) == e]
+        column = {int(s): j for j, s in enumerate(slots_EX[e].tolist()) if s >= 0}
+        js = [column[int(s)] for s in picked]
+        assert js == sorted(js)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -170,12 +199,12 @@ def test_permute_then_combine_restores_weighted_tokens(kernels):
 
 def test_numba_kernels_run_as_plain_python(monkeypatch):
     """The kernels' Python bodies (what Numba compiles) compute the reference too."""
-    for name in ("_hash24", "_route_kernel", "_sort_kernel", "_gather_kernel", "_gather_scaled_kernel",
+    for name in ("_route_kernel", "_sort_kernel", "_gather_kernel", "_gather_scaled_kernel",
                  "_combine_kernel", "_combine_weighted_kernel", "_weight_grad_kernel"):
         monkeypatch.setattr(numba_kernels, name, getattr(numba_kernels, name).py_func)
     shape = (9, 3, 5, 8, 4)
-    ids, table, x, w = _case(shape, seed=10, dtype=torch.float64)
-    args = (ids, table.slots_EX, table.thresholds_EX, 2 ** 33 + 5)
+    ids, route_args, x, w = _case(shape, seed=10, dtype=torch.float64)
+    args = (ids, *route_args)
     slot = numba_kernels.route(*args)
     assert torch.equal(slot, reference.route(*args))
     sorted_ = numba_kernels.sort_by_slot(slot, shape[3])
@@ -222,17 +251,18 @@ def test_kernels_for_rejects_unknown_device_types():
 def test_bad_arguments_raise_errors_naming_the_argument(kernels):
     ids = torch.zeros(4, 2, dtype=torch.int64)
     slots = torch.zeros(3, 2, dtype=torch.int64)
-    thr = torch.full((3, 2), reference.HASH_ONE)
+    bounds = torch.full((3, 2), 4)
+    rank = torch.zeros(4, 2, dtype=torch.int64)
     x = torch.randn(4, 8)
     pos = torch.arange(8).view(4, 2)
     with pytest.raises(TypeError, match="topk_ids_TK"):
-        kernels.route(ids.int(), slots, thr, 0)
-    with pytest.raises(ValueError, match="thresholds_EX"):
-        kernels.route(ids, slots, thr[:, :1], 0)
+        kernels.route(ids.int(), rank, slots, bounds)
+    with pytest.raises(ValueError, match="bounds_EX"):
+        kernels.route(ids, rank, slots, bounds[:, :1])
+    with pytest.raises(ValueError, match="rank_TK"):
+        kernels.route(ids, rank[:, :1], slots, bounds)
     with pytest.raises(ValueError, match="topk_ids_TK"):
-        kernels.route(ids + 3, slots, thr, 0)
-    with pytest.raises(ValueError, match="pair_offset"):
-        kernels.route(ids, slots, thr, -1)
+        kernels.route(ids + 3, rank, slots, bounds)
     with pytest.raises(ValueError, match="slot_TK"):
         kernels.sort_by_slot(ids + 5, 5)
     with pytest.raises(ValueError, match="num_slots"):
@@ -279,10 +309,9 @@ def test_cuda_kernels_equal_reference(shape, dtype):
     from moebalance.dispatch import cuda
 
     T, K, E, S, D = shape
-    ids, table, x, w = _case(shape, seed=11, dtype=dtype)
+    ids, route_args, x, w = _case(shape, seed=11, dtype=dtype)
     ids, x, w = ids.cuda(), x.cuda(), w.cuda()
-    table = table.to("cuda")
-    args = (ids, table.slots_EX, table.thresholds_EX, 2 ** 35 + 11)
+    args = (ids, *(a.cuda() for a in route_args))
     slot = cuda.route(*args)
     assert torch.equal(slot, reference.route(*args))
     sorted_ = cuda.sort_by_slot(slot, S)

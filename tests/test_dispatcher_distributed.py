@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
-from moebalance.dispatch.dispatcher import EXCHANGES, _auto_exchange
+from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
@@ -78,10 +78,12 @@ def dense_layer(seed: int, num_experts: int, top_k: int, dtype, dead=()) -> Dens
     return dense
 
 
-def with_exchange(moe: ExpertParallelMoE, exchange: str, nodes=None) -> ExpertParallelMoE:
+def with_exchange(moe: ExpertParallelMoE, exchange: str, nodes=None,
+                  speeds=None) -> ExpertParallelMoE:
     """``moe`` with its rows moved by ``exchange`` ("p2p" or "all_to_all"), routing with a
-    node preference when ``nodes`` is given."""
-    moe.dispatcher = Dispatcher(exchange=exchange, nodes=nodes)
+    node preference when ``nodes`` is given and re-splitting each step by ``speeds`` when given."""
+    moe.dispatcher = Dispatcher(exchange=exchange, nodes=nodes, resplit=speeds is not None,
+                                speeds=speeds)
     return moe
 
 
@@ -91,7 +93,7 @@ def labelled(exchange: str):
 
 
 def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, seed: int,
-                       rtol: float, atol: float, nodes=None) -> ExpertParallelMoE:
+                       rtol: float, atol: float, nodes=None, speeds=None) -> ExpertParallelMoE:
     """Forward + backward on the dense layer, then on the expert-parallel layer with each row
     exchange; outputs and every gradient must agree. Returns the last expert-parallel layer."""
     rank = dist.get_rank()
@@ -104,7 +106,8 @@ def compare_with_dense(dense: DenseMoE, placement: Placement, tokens_per_rank, s
     lo, hi = token_range(tokens_per_rank, rank)
 
     for exchange in MODES:
-        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange, nodes)
+        moe = with_exchange(ExpertParallelMoE.from_dense(dense, placement), exchange, nodes,
+                            speeds)
         x = x_all[lo:hi].clone().requires_grad_()
         out = moe(x)
         (out * proj_all[lo:hi]).sum().backward()
@@ -372,6 +375,99 @@ def bad_input_raises_a_clear_error_on_every_rank():
     assert_close(out, w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
 
 
+def outputs_and_gradients_match_dense_with_per_step_resplit():
+    """Re-splitting each step's pairs over the replicas (unequal speeds, nodes) changes which
+    replica a pair visits, never the math."""
+    E, slots, tokens = 8, [3, 5, 2, 4], [9, 0, 6, 11]
+    dense = dense_layer(911, E, 2, torch.float32)
+    placement = random_placement(912, E, slots)
+    compare_with_dense(dense, placement, tokens, seed=913, rtol=1e-5, atol=1e-6,
+                       nodes=[0, 0, 1, 1], speeds=[1.0, 2.0, 0.5, 1.5])
+
+
+def issue_placement() -> Placement:
+    """Expert 0 on all 4 ranks (shares .1/.2/.3/.4), expert 1 on ranks 0, 1, 3 (.7/.05/.25),
+    expert 2 on ranks 1 and 2 (.35/.65), expert 3 on rank 2 alone."""
+    phy2log = np.array([[0, 1, 0, 1, 2, 0, 2, 3, 0, 1]])
+    share = np.array([[0.1, 0.7, 0.2, 0.05, 0.35, 0.3, 0.65, 1.0, 0.4, 0.25]])
+    return Placement(phy2log, share, np.array([0, 0, 1, 1, 1, 2, 2, 2, 3, 3]), 4).validate()
+
+
+def assert_shares_met(dispatcher, placement, ids) -> int:
+    """Every replica receives share x the expert's pairs over the group, within one pair;
+    returns the largest deviation seen."""
+    T, K = ids.shape
+    _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
+    received = [None] * WORLD
+    dist.all_gather_object(received, handle.tokens_per_local_slot)
+    per_slot = np.concatenate(received)
+    pairs_E = torch.bincount(ids.reshape(-1), minlength=placement.num_experts)
+    dist.all_reduce(pairs_E)
+    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
+    deviation = np.abs(per_slot - expected)
+    assert np.all(deviation <= 1.0), (per_slot, expected)
+    return float(deviation.max())
+
+
+def shares_are_met_for_uneven_batches_and_rank_preferences():
+    """Batch sizes [12000, 6000, 0, 14000] with one preference, then equal batches where each
+    rank prefers another expert: shares are met to within one pair either way, with and
+    without node preference."""
+    rank = dist.get_rank()
+    placement = issue_placement()
+    gen = torch.Generator().manual_seed(60 + rank)
+    uneven = [12000, 6000, 0, 14000][rank]
+    same_pref = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    own_pref = torch.full((4,), 0.1)
+    own_pref[rank] = 0.7
+    for nodes in (None, [0, 0, 1, 1]):
+        dispatcher = Dispatcher(nodes=nodes)
+        for T, pref in ((uneven, same_pref), (3000, own_pref)):
+            ids = torch.multinomial(pref.expand(max(T, 1), 4), 2, generator=gen)[:T]
+            assert_shares_met(dispatcher, placement, ids)
+
+
+def a_malformed_input_on_one_rank_raises_on_every_rank():
+    """Rank 3 passes rows of width D + 1, then weights of the wrong shape, then goes through
+    Dispatcher.abort: every rank raises each time, and the group is still in step after."""
+    rank = dist.get_rank()
+    placement = random_placement(81, 8, [2, 3, 2, 2])
+    dispatcher = Dispatcher()
+    x, w, ids = torch.randn(5, D), torch.rand(5, 2), torch.randint(0, 8, (5, 2))
+    wide = torch.randn(5, D + 1) if rank == 3 else x
+    with pytest.raises(ValueError, match="width D"):
+        dispatcher.dispatch(wide, ids, w, placement, 0)
+    half = x.double() if rank == 3 else x
+    with pytest.raises(ValueError, match="dtype"):
+        dispatcher.dispatch(half, ids, w, placement, 0)
+    bad_w = w[:, :1] if rank == 3 else w
+    with pytest.raises(ValueError, match="topk_weights_TK" if rank == 3 else r"rank\(s\) \[3\]"):
+        dispatcher.dispatch(x, ids, bad_w, placement, 0)
+    if rank == 3:
+        with pytest.raises(KeyError):
+            dispatcher.abort(KeyError("no router output"), placement, 0)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[3\]"):
+            dispatcher.dispatch(x, ids, w, placement, 0)
+    recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
+    assert_close(dispatcher.combine(recv, handle), w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
+
+
+def a_new_placement_object_every_step_is_routed_by_its_own_shares():
+    """A live swap between steps (a new Placement object each time, even with equal contents)
+    routes by the new object's shares; the cache keeps a few placements, keyed by object."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(90 + rank)
+    dispatcher = Dispatcher(resplit=False)
+    for step in range(6):
+        placement = random_placement(300 + step % 3, 8, [3, 2, 4, 3], zero_share=0.3)
+        ids = torch.multinomial(torch.ones(8), 2 * (500 + 300 * rank), replacement=True,
+                                generator=gen).view(-1, 2)
+        assert_shares_met(dispatcher, placement, ids)
+        assert dispatcher._states[id(placement)].placement is placement
+    assert len(dispatcher._states) <= 4
+
+
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
     outputs_and_gradients_match_dense_with_node_preference,
@@ -384,6 +480,10 @@ CASES = [
     replicas_identical_after_optimizer_steps,
     construction_gives_identical_replicas_even_with_different_rank_seeds,
     bad_input_raises_a_clear_error_on_every_rank,
+    outputs_and_gradients_match_dense_with_per_step_resplit,
+    shares_are_met_for_uneven_batches_and_rank_preferences,
+    a_malformed_input_on_one_rank_raises_on_every_rank,
+    a_new_placement_object_every_step_is_routed_by_its_own_shares,
 ]
 
 
@@ -419,11 +519,11 @@ def test_every_exchange_is_accepted_and_a_single_process_exchanges_nothing():
 
 
 def test_auto_picks_p2p_on_gloo_and_all_to_all_on_other_backends():
-    assert _auto_exchange("gloo", "cpu") == "p2p"
-    assert _auto_exchange("nccl", "cuda") == "all_to_all"
-    assert _auto_exchange("mpi", "cpu") == "all_to_all"
-    assert _auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
-    assert _auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
+    assert auto_exchange("gloo", "cpu") == "p2p"
+    assert auto_exchange("nccl", "cuda") == "all_to_all"
+    assert auto_exchange("mpi", "cpu") == "all_to_all"
+    assert auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
+    assert auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
 
 
 def test_nodes_must_name_the_node_of_every_rank():

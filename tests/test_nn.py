@@ -268,8 +268,6 @@ def test_dispatcher_rejects_bad_input_naming_the_argument():
                     np.array([0, 0, 0, 1, 1, 1]), E)
     with pytest.raises(ValueError, match="placement spans 2 devices but the process group has 1"):
         dispatcher.dispatch(x, ids, w, two, 0)
-    with pytest.raises(ValueError, match="pair_offset"):
-        dispatcher.dispatch(x, ids, w, placement, 0, pair_offset=-1)
     recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
     with pytest.raises(ValueError, match="y_MD"):
         dispatcher.combine(recv[:, None], handle)
@@ -279,15 +277,15 @@ def test_dispatcher_rejects_bad_input_naming_the_argument():
         ExpertParallelMoE(D, F, E + 1, 2, placement)
 
 
-def test_routing_tables_are_cached_per_placement_and_layer():
+def test_replica_tables_are_cached_per_placement_and_layer():
     placement = one_device_placement(26, 4, num_layers=2)
     dispatcher = Dispatcher()
     x, ids, w = dispatch_inputs(27, 3, 1, 4)
     dispatcher.dispatch(x, ids, w, placement, 1)
     state = dispatcher._states[id(placement)]
-    table = state.table(1, x.device)
+    table = state.layer(1, x.device).table
     dispatcher.dispatch(x, ids, w, placement, 1)
-    assert state.table(1, x.device) is table
+    assert state.layer(1, x.device).table is table
     other = Placement(placement.phy2log[::-1].copy(), placement.share, placement.slot_device, 4)
     dispatcher.dispatch(x, ids, w, other, 1)
     assert dispatcher._states[id(other)].placement is other

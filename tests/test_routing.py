@@ -1,223 +1,172 @@
-"""Routing tables: valid thresholds, shares met over all ranks, locality, reachability, frequencies."""
+"""Routing from global counts: every replica receives its share of the group's pairs (within one
+pair), whatever each rank sends; own device first, then the node; deterministic integer flows."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import placement_cases
 
 from moebalance import Device, Placement, Topology
-from moebalance.dispatch import reference
-from moebalance.dispatch.routing import RoutingTable, route_probabilities, routing_table
-
-ONE = reference.HASH_ONE
+from moebalance.dispatch.routing import replica_flows, replica_table, replica_targets
 
 
-def _widths(table: RoutingTable) -> np.ndarray:
-    """[E, X] probability mass of each replica in units of 2**-24."""
-    thr = table.thresholds_EX.numpy()
-    return np.diff(np.concatenate([np.zeros((thr.shape[0], 1), np.int64), thr], axis=1), axis=1)
+def _counts(seed: int, num_ranks: int, num_experts: int, kind: str) -> torch.Tensor:
+    """[G, E] pairs per (rank, expert): "uneven" batch sizes (one rank empty), "preferences"
+    (each rank favours other experts) or "uniform"."""
+    gen = np.random.default_rng(seed)
+    if kind == "uniform":
+        counts = np.full((num_ranks, num_experts), 50)
+    else:
+        sizes = gen.integers(0, 3000, num_ranks)
+        sizes[gen.integers(num_ranks)] = 0
+        if kind == "preferences":
+            sizes[:] = 2000
+        probs = gen.dirichlet(np.full(num_experts, 0.3), size=num_ranks)
+        counts = np.stack([gen.multinomial(n, p) for n, p in zip(sizes, probs)])
+    return torch.from_numpy(counts.astype(np.int64))
 
 
-def _tables(placement: Placement, layer: int) -> list[RoutingTable]:
-    R = placement.num_devices
-    return [routing_table(placement, layer, r, R) for r in range(R)]
+def _node_masks(nodes) -> torch.Tensor:
+    nodes = np.asarray(nodes)
+    return torch.from_numpy(nodes[None] == np.unique(nodes)[:, None])
 
 
 def _example() -> Placement:
-    """3 ranks x 2 slots; expert 0 has three replicas (one with share 0), expert 1 two."""
-    phy2log = np.array([[0, 1, 0, 2, 1, 0]])
-    share = np.array([[0.7, 0.25, 0.3, 1.0, 0.75, 0.0]])
-    return Placement(phy2log, share, np.array([0, 0, 1, 1, 2, 2]), 3).validate()
+    """4 ranks x 2 slots; expert 0 has four replicas with shares .1/.2/.3/.4, expert 1 three
+    (one of share 0), expert 2 one."""
+    phy2log = np.array([[0, 1, 0, 1, 0, 2, 0, 1]])
+    share = np.array([[0.1, 0.7, 0.2, 0.0, 0.3, 1.0, 0.4, 0.3]])
+    return Placement(phy2log, share, np.repeat(np.arange(4), 2), 3).validate()
 
 
-@given(placement_cases(max_devices=5, max_slots=4, max_layers=2))
-def test_thresholds_are_valid_cumulative_tables(case):
+def test_replica_table_lists_replicas_in_slot_order():
+    table = replica_table(_example(), 0)
+    assert table.slots_EX.tolist() == [[0, 2, 4, 6], [1, 3, 7, -1], [5, -1, -1, -1]]
+    assert table.device_EX.tolist() == [[0, 1, 2, 3], [0, 1, 3, -1], [2, -1, -1, -1]]
+    np.testing.assert_allclose(table.share_EX.numpy()[1], [0.7, 0.0, 0.3, 0.0])
+
+
+@given(st.integers(0, 10**6), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6))
+def test_targets_sum_to_the_total_and_stay_within_one_of_the_share(total, weights):
+    w = np.asarray(weights)
+    share = w / w.sum() if w.sum() > 0 else np.full(w.size, 1.0 / w.size)
+    target = replica_targets(torch.tensor([total]), torch.from_numpy(share[None]))[0].numpy()
+    assert target.sum() == total and np.all(target >= 0)
+    assert np.all(np.abs(target - share * total) <= 1.0)
+    assert np.all(target[share == 0] == 0)
+
+
+def test_shares_summing_a_hair_under_one_never_send_pairs_to_padding():
+    share = torch.tensor([[0.3, 0.7 - 1e-9, 0.0, 0.0], [1.0 - 1e-9, 0.0, 0.0, 0.0]],
+                         dtype=torch.float64)
+    total = torch.tensor([10**9, 10**9 + 1])
+    target = replica_targets(total, share)
+    assert target.tolist() == [[300000000, 700000000, 0, 0], [10**9 + 1, 0, 0, 0]]
+
+
+@settings(max_examples=60)
+@given(placement_cases(max_devices=6, max_slots=4, max_layers=2),
+       st.sampled_from(["uneven", "preferences", "uniform"]), st.integers(0, 1000),
+       st.booleans())
+def test_every_replica_receives_its_share_of_the_global_pairs(case, kind, seed, with_nodes):
     p = case.placement
-    log2phy = p.log2phy()
+    G = p.num_devices
+    nodes = _node_masks(np.arange(G) // 2) if with_nodes else None
+    counts = _counts(seed, G, p.num_experts, kind)
     for layer in range(p.num_layers):
-        for table in _tables(p, layer):
-            slots, thr = table.slots_EX.numpy(), table.thresholds_EX.numpy()
-            assert slots.dtype == np.int64 and thr.dtype == np.int64
-            assert slots.shape == thr.shape == (p.num_experts, log2phy.shape[2])
-            np.testing.assert_array_equal(slots, log2phy[layer])
-            assert np.all(np.diff(thr, axis=1) >= 0)
-            assert np.all(thr[slots < 0] == ONE)
-            last_valid = (slots >= 0).sum(axis=1) - 1
-            assert np.all(thr[np.arange(p.num_experts), last_valid] == ONE)
+        table = replica_table(p, layer)
+        flow = replica_flows(counts, table.share_EX, table.device_EX, nodes)
+        assert flow.dtype == torch.int64 and bool((flow >= 0).all())
+        assert torch.equal(flow.sum(dim=2), counts)
+        received = flow.sum(dim=0).numpy()
+        expected = table.share_EX.numpy() * counts.sum(dim=0).numpy()[:, None]
+        assert np.all(np.abs(received - expected) <= 1.0), (received, expected)
+        assert np.all(received[~table.valid_EX.numpy()] == 0)
 
 
-@given(placement_cases(max_devices=6, max_slots=4, max_layers=2))
-def test_replicas_receive_their_share_over_all_ranks(case):
+@settings(max_examples=40)
+@given(placement_cases(max_devices=6, max_slots=4, max_layers=1), st.integers(0, 1000))
+def test_the_holder_of_a_replica_keeps_as_many_of_its_pairs_as_the_target_allows(case, seed):
     p = case.placement
-    for layer in range(p.num_layers):
-        tables = _tables(p, layer)
-        received = sum(_widths(t) for t in tables) / (ONE * len(tables))
-        slots = tables[0].slots_EX.numpy()
-        valid = slots >= 0
-        np.testing.assert_allclose(received[valid], p.share[layer][slots[valid]], atol=1e-6, rtol=0)
+    counts = _counts(seed, p.num_devices, p.num_experts, "uneven")
+    table = replica_table(p, 0)
+    flow = replica_flows(counts, table.share_EX, table.device_EX).numpy()
+    target = replica_targets(counts.sum(dim=0), table.share_EX).numpy()
+    for e, j in zip(*np.nonzero(table.valid_EX.numpy())):
+        g = int(table.device_EX[e, j])
+        assert flow[g, e, j] == min(int(counts[g, e]), target[e, j])
 
 
-@given(placement_cases(max_devices=6, max_slots=4, max_layers=2))
-def test_local_replica_keeps_min_one_or_R_times_share(case):
+@settings(max_examples=40)
+@given(placement_cases(max_devices=6, max_slots=4, max_layers=1), st.integers(0, 1000))
+def test_node_preference_keeps_as_much_traffic_on_the_node_as_the_targets_allow(case, seed):
     p = case.placement
-    R = p.num_devices
-    for layer in range(p.num_layers):
-        for rank, table in enumerate(_tables(p, layer)):
-            slots = table.slots_EX.numpy()
-            local = (slots >= 0) & (p.slot_device[np.maximum(slots, 0)] == rank)
-            expected = np.minimum(1.0, R * p.share[layer][slots[local]])
-            np.testing.assert_allclose(_widths(table)[local] / ONE, expected, atol=1e-6, rtol=0)
+    G = p.num_devices
+    node_of = np.arange(G) // 2
+    counts = _counts(seed, G, p.num_experts, "preferences")
+    table = replica_table(p, 0)
+    device = table.device_EX.numpy()
+    valid = device >= 0
+    replica_node = np.where(valid, node_of[np.maximum(device, 0)], -1)
+
+    def on_node(flow):
+        return sum(flow[g][replica_node == node_of[g]].sum() for g in range(G))
+
+    with_nodes = replica_flows(counts, table.share_EX, table.device_EX, _node_masks(node_of))
+    without = replica_flows(counts, table.share_EX, table.device_EX)
+    assert on_node(with_nodes.numpy()) >= on_node(without.numpy())
+    # After the local tier, each node keeps min(its ranks' remaining pairs, its replicas'
+    # remaining room) of every expert: nothing crosses nodes that could have stayed.
+    target = replica_targets(counts.sum(dim=0), table.share_EX).numpy()
+    flow = with_nodes.numpy()
+    for e in range(p.num_experts):
+        for n in np.unique(node_of):
+            ranks = np.flatnonzero(node_of == n)
+            cols = np.flatnonzero(replica_node[e] == n)
+            local = [flow[device[e, j], e, j] for j in cols]
+            supply = counts[ranks, e].sum().item() - sum(local)
+            room = target[e, cols].sum() - sum(local)
+            stayed = flow[np.ix_(ranks, [e], cols)].sum() - sum(local)
+            assert stayed == min(supply, room)
 
 
-@given(placement_cases(max_devices=6, max_slots=4, max_layers=2))
-def test_zero_share_replicas_get_no_probability(case):
-    p = case.placement
-    for layer in range(p.num_layers):
-        for table in _tables(p, layer):
-            slots = table.slots_EX.numpy()
-            zero = (slots >= 0) & (p.share[layer][np.maximum(slots, 0)] == 0)
-            assert np.all(_widths(table)[zero] == 0)
-
-
-def test_zero_share_replica_is_never_routed_to():
+def test_uneven_batches_meet_the_shares_that_an_equal_split_assumption_missed():
+    # Tokens per rank [12000, 6000, 0, 14000], the same preferences everywhere: replicas of
+    # expert 0 with shares .1/.2/.3/.4 must receive exactly those fractions of its pairs.
     p = _example()
-    ids = torch.zeros(20000, 2, dtype=torch.int64)
-    for rank, table in enumerate(_tables(p, 0)):
-        slot = reference.route(ids, table.slots_EX, table.thresholds_EX, pair_offset=rank * 7919)
-        assert not torch.any(slot == 5)
+    table = replica_table(p, 0)
+    counts = torch.tensor([[12000, 3000, 10], [6000, 1500, 5], [0, 0, 0], [14000, 3500, 12]])
+    flow = replica_flows(counts, table.share_EX, table.device_EX)
+    np.testing.assert_array_equal(flow.sum(dim=0)[0].numpy(), [3200, 6400, 9600, 12800])
+    np.testing.assert_array_equal(flow.sum(dim=0)[1].numpy(), [5600, 0, 2400, 0])
+    assert int(flow[2].sum()) == 0   # rank 2 has nothing to send
 
 
-@pytest.mark.parametrize("rank", [0, 1, 2])
-def test_route_frequencies_match_probabilities(rank):
+def test_flows_are_identical_on_every_call():
     p = _example()
-    table = routing_table(p, 0, rank, 3)
-    _, prob = route_probabilities(p, 0, rank, 3)
-    n = 1 << 16
-    for expert in range(p.num_experts):
-        ids = torch.full((n // 4, 4), expert, dtype=torch.int64)
-        slot = reference.route(ids, table.slots_EX, table.thresholds_EX, pair_offset=12345)
-        hits = torch.bincount(slot.reshape(-1), minlength=p.num_slots).numpy() / n
-        slots = table.slots_EX.numpy()[expert]
-        for j, s in enumerate(slots[slots >= 0]):
-            assert abs(hits[s] - prob[expert, j]) < 2e-3, (expert, s, hits[s], prob[expert, j])
+    table = replica_table(p, 0)
+    counts = _counts(3, 4, 3, "uneven")
+    first = replica_flows(counts, table.share_EX, table.device_EX, _node_masks([0, 0, 1, 1]))
+    again = replica_flows(counts.clone(), table.share_EX.clone(), table.device_EX.clone(),
+                          _node_masks([0, 0, 1, 1]))
+    assert torch.equal(first, again)
 
 
-def test_replicas_with_probability_at_least_2_pow_minus_24_are_reachable():
-    tiny = 2.0 ** -23
-    phy2log = np.array([[0, 1, 1, 0, 0, 1]])
-    share = np.array([[1.0 - 2 * tiny, 0.5, 0.5 - 1e-9, tiny, tiny, 1e-9]])
-    p = Placement(phy2log, share, np.array([0, 0, 1, 1, 2, 2]), 2).validate()
-    for rank in range(3):
-        _, prob = route_probabilities(p, 0, rank, 3)
-        widths = _widths(routing_table(p, 0, rank, 3))
-        assert np.all(widths[prob >= 2.0 ** -24] >= 1)
-        assert np.all(widths[prob == 0] == 0)
+def test_replica_table_device_argument_moves_tensors():
+    table = replica_table(_example(), 0, device="cpu")
+    assert {t.device.type for t in (table.slots_EX, table.device_EX, table.share_EX)} == {"cpu"}
 
 
-def test_equal_split_over_every_rank_keeps_all_tokens_local():
-    # Every rank holds one replica of every expert with share 1/R: nothing needs to leave a rank.
-    R, E = 3, 4
-    phy2log = np.tile(np.arange(E), R)[None]
-    share = np.full((1, R * E), 1.0 / R)
-    p = Placement(phy2log, share, np.repeat(np.arange(R), E), E).validate()
-    for rank, table in enumerate(_tables(p, 0)):
-        slots = table.slots_EX.numpy()
-        local = p.slot_device[slots] == rank
-        assert np.all(_widths(table)[local] == ONE)
-
-
-def test_routing_table_is_deterministic():
-    p = _example()
-    a, b = routing_table(p, 0, 1, 3), routing_table(p, 0, 1, 3)
-    assert torch.equal(a.slots_EX, b.slots_EX) and torch.equal(a.thresholds_EX, b.thresholds_EX)
-
-
-def test_routing_table_device_argument_moves_tensors():
-    table = routing_table(_example(), 0, 0, 3, device="cpu")
-    assert table.slots_EX.device.type == "cpu" and table.thresholds_EX.device.type == "cpu"
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(layer=1, rank=0, num_ranks=3), "layer"),
-    (dict(layer=0, rank=3, num_ranks=3), "rank"),
-    (dict(layer=0, rank=0, num_ranks=4), "num_ranks"),
-])
-def test_bad_arguments_raise_value_error(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        routing_table(_example(), **kwargs)
+@pytest.mark.parametrize("layer, error", [(1, ValueError), (-1, ValueError), (0.5, TypeError)])
+def test_bad_layer_raises_naming_it(layer, error):
+    with pytest.raises(error, match="layer"):
+        replica_table(_example(), layer)
 
 
 def test_placement_of_wrong_type_raises_type_error():
     with pytest.raises(TypeError, match="placement"):
-        routing_table(Topology([Device()]), 0, 0, 1)
-
-
-# -- node preference -------------------------------------------------------------------------------
-
-
-def _node_traffic(p: Placement, layer: int, nodes) -> tuple[np.ndarray, float]:
-    """Expected fraction received by every replica [E, X] (over all ranks), and the fraction of
-    all pairs that stay on their rank's node, with routing given ``nodes`` (None: no preference)."""
-    R = p.num_devices
-    node_of = np.asarray([0] * R if nodes is None else nodes)
-    received, on_node = 0.0, 0.0
-    for r in range(R):
-        slots, prob = route_probabilities(p, layer, r, R, nodes)
-        received = received + prob / R
-        device = p.slot_device[np.where(slots >= 0, slots, 0)]
-        on_node += np.where((slots >= 0) & (node_of[device] == node_of[r]), prob, 0.0).sum() / R
-    return received, on_node
-
-
-@given(placement_cases(max_devices=6, max_slots=4, max_layers=1))
-def test_node_preference_keeps_shares_and_rows(case):
-    p = case.placement
-    nodes = np.arange(p.num_devices) // 2
-    for r in range(p.num_devices):
-        _, prob = route_probabilities(p, 0, r, p.num_devices, nodes)
-        assert np.all(prob >= 0)
-        np.testing.assert_allclose(prob.sum(axis=1), 1.0, atol=1e-12)
-    received, _ = _node_traffic(p, 0, nodes)
-    slots = p.log2phy()[0]
-    valid = slots >= 0
-    np.testing.assert_allclose(received[valid], p.share[0][slots[valid]], atol=1e-9, rtol=0)
-
-
-@given(placement_cases(max_devices=6, max_slots=4, max_layers=1))
-def test_node_preference_keeps_more_traffic_on_the_node(case):
-    p = case.placement
-    nodes = np.arange(p.num_devices) // 2
-    _, with_nodes = _node_traffic(p, 0, nodes)
-    # the same routing without a node tier, judged by the same node map
-    R = p.num_devices
-    without = 0.0
-    for r in range(R):
-        slots, prob = route_probabilities(p, 0, r, R)
-        device = p.slot_device[np.where(slots >= 0, slots, 0)]
-        without += np.where((slots >= 0) & (nodes[device] == nodes[r]), prob, 0.0).sum() / R
-    assert with_nodes >= without - 1e-9
-
-
-def test_node_preference_sends_across_nodes_only_what_the_node_cannot_take():
-    # Expert 0: replicas on ranks 0 (node 0) and 2 (node 1), share 1/2 each; 4 ranks, 2 nodes.
-    phy2log = np.array([[0, 1, 1, 2, 0, 3, 3, 2]])
-    share = np.array([[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
-    p = Placement(phy2log, share, np.array([0, 0, 1, 1, 2, 2, 3, 3]), 4).validate()
-    nodes = [0, 0, 1, 1]
-    # rank 1 holds no replica of expert 0; the one on its node (rank 0) has room: all its
-    # expert-0 pairs stay on node 0.
-    slots, prob = route_probabilities(p, 0, 1, 4, nodes)
-    row = dict(zip(slots[0].tolist(), prob[0].tolist()))
-    assert row[0] == pytest.approx(1.0) and row[4] == pytest.approx(0.0)
-    # without node preference half of them would cross to rank 2 on node 1
-    slots, prob = route_probabilities(p, 0, 1, 4)
-    row = dict(zip(slots[0].tolist(), prob[0].tolist()))
-    assert row[0] == pytest.approx(0.5) and row[4] == pytest.approx(0.5)
-
-
-def test_bad_nodes_argument_is_a_clear_error():
-    with pytest.raises(ValueError, match="nodes must list the integer node of each of the 3 ranks"):
-        routing_table(_example(), 0, 0, 3, nodes=[0, 1])
+        replica_table(Topology([Device()]), 0)

@@ -11,8 +11,15 @@ Sections (``--sections``, default all that can run here):
    127.0.0.1), once with each row exchange (``exchange="p2p"``, the gloo default, and
    ``"all_to_all"``, the NCCL default), against a raw ``all_to_all_single`` pair moving the same
    rows.
+   A third Dispatcher re-splits every step (``resplit=True``), to show what that costs.
 3. ``gpu``: only with CuPy and a CUDA GPU: GB/s of the CUDA ``gather_rows`` and ``combine`` kernels
    against torch's device copy bandwidth.
+4. ``shares``: shares realised on 4 gloo ranks with uneven traffic (tokens per rank
+   [12000, 6000, 0, 14000], one expert preference) and with per-rank preferences (equal batches,
+   each rank favouring another expert): the largest ``|rows received - share x global pairs|``
+   over all replicas, with and without node preference.
+5. ``experts``: the local slots' SwiGLU forward + backward through ``torch._grouped_mm`` against
+   the slot loop, at 8 and 16 local slots, float32 and bfloat16 (CPU; the GPU too when present).
 
 Timing: every repeat runs each method once, in turn (interleaved), and the median is reported.
 GB/s counts the bytes a method must move: permute reads and writes N*D elements, unpermute reads
@@ -28,7 +35,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -38,17 +44,21 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..backends import has_cupy_gpu, has_numba
-from ..cli_args import ArgumentParser, UsageError, positive_int_arg, run_guarded
+from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from .report import format_markdown, format_text, machine_info
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
                "raw all_to_all_single (gloo ranks), and the CUDA kernels vs device copy bandwidth (GPU, when present).")
 FULL = {"tokens": 16384, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 7,
-        "dist_tokens": 2048, "dist_hidden": 512, "dist_repeats": 10}
+        "dist_tokens": 2048, "dist_hidden": 512, "dist_repeats": 10,
+        "expert_rows": 8192, "expert_hidden": 512, "expert_ffn": 256}
 QUICK = {"tokens": 2048, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 5,
-         "dist_tokens": 256, "dist_hidden": 256, "dist_repeats": 5}
-SECTIONS = ("cpu", "dist", "gpu")
+         "dist_tokens": 256, "dist_hidden": 256, "dist_repeats": 5,
+         "expert_rows": 1024, "expert_hidden": 256, "expert_ffn": 128}
+SHARE_TRAFFIC = {"uneven batches": (12000, 6000, 0, 14000), "rank preferences": (3000,) * 4}
+SHARE_COLUMNS = ["traffic", "nodes", "pairs", "replicas", "max |rows - share x pairs|"]
+SECTIONS = ("cpu", "dist", "gpu", "shares", "experts")
 DIST_MODES = ("p2p", "all_to_all")   # the Dispatcher's row exchanges, each timed
 COLUMNS = ["section", "op", "method", "ms", "GB/s", "vs copy"]
 
@@ -199,6 +209,7 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
                            for _ in range(T)])
         weights = torch.rand(T, K, generator=gen)
         dispatchers = {mode: Dispatcher(group=None, exchange=mode) for mode in DIST_MODES}
+        dispatchers["p2p, resplit"] = Dispatcher(group=None, exchange="p2p", resplit=True)
         send = torch.randn(T * K, D, generator=gen)
         recv = torch.empty_like(send)
         back = torch.empty_like(send)
@@ -299,6 +310,107 @@ def run_gpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed
     return rows
 
 
+# -- section 4: shares realised ------------------------------------------------------------------
+
+
+def shares_placement():
+    """4 ranks: expert 0 on every rank (shares .1/.2/.3/.4), expert 1 on ranks 0, 1, 3
+    (.7/.05/.25), expert 2 on ranks 1, 2 (.35/.65), expert 3 alone on rank 2."""
+    from ..placement import Placement
+
+    phy2log = np.array([[0, 1, 0, 1, 2, 0, 2, 3, 0, 1]])
+    share = np.array([[0.1, 0.7, 0.2, 0.05, 0.35, 0.3, 0.65, 1.0, 0.4, 0.25]])
+    return Placement(phy2log, share, np.array([0, 0, 1, 1, 1, 2, 2, 2, 3, 3]), 4).validate()
+
+
+def _shares_worker(rank: int, world: int, seed: int, result_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..dispatch import Dispatcher
+
+    placement = shares_placement()
+    E = placement.num_experts
+    gen = torch.Generator().manual_seed(seed + rank)
+    results = []
+    for traffic, sizes in SHARE_TRAFFIC.items():
+        if traffic == "uneven batches":
+            pref = torch.tensor([0.4, 0.3, 0.2, 0.1])
+        else:
+            pref = torch.full((E,), 0.1)
+            pref[rank % E] = 0.7
+        T = sizes[rank]
+        ids = torch.multinomial(pref.expand(max(T, 1), E), 2, generator=gen)[:T]
+        pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
+        dist.all_reduce(pairs_E)
+        for nodes in (None, (0, 0, 1, 1)):
+            _, handle = Dispatcher(nodes=nodes).dispatch(torch.zeros(T, 1), ids,
+                                                         torch.ones(T, 2), placement, 0)
+            received = [None] * world
+            dist.all_gather_object(received, handle.tokens_per_local_slot)
+            per_slot = np.concatenate(received)
+            expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
+            results.append({"traffic": traffic, "nodes": "none" if nodes is None else "2 nodes",
+                            "pairs": int(pairs_E.sum()), "replicas": int(per_slot.size),
+                            "max_deviation": float(np.abs(per_slot - expected).max())})
+    if rank == 0:
+        Path(result_dir, "shares.json").write_text(json.dumps(results))
+
+
+def run_shares(seed: int) -> list[dict]:
+    """Largest deviation of any replica's rows from its share of the global pairs (4 ranks)."""
+    from ..launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        launch(_shares_worker, 4, args=(seed, tmp))
+        return json.loads(Path(tmp, "shares.json").read_text())
+
+
+# -- section 5: grouped-GEMM experts -------------------------------------------------------------
+
+
+def run_experts(rows: int, hidden: int, ffn: int, repeats: int, seed: int,
+                devices: Sequence[str]) -> list[Row]:
+    """SwiGLU forward + backward of Ls local slots: torch._grouped_mm vs the slot loop."""
+    import torch
+
+    from ..nn import grouped_mm_runs, grouped_swiglu, looped_swiglu
+
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for device in devices:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        dtypes = (torch.bfloat16,) if device == "cuda" else (torch.float32, torch.bfloat16)
+        for slots in (8, 16):
+            for dtype in dtypes:
+                counts = torch.multinomial(torch.ones(slots), rows, replacement=True,
+                                           generator=gen).bincount(minlength=slots).tolist()
+                x = torch.randn(rows, hidden, generator=gen).to(device, dtype).requires_grad_()
+                gate_up = (torch.randn(slots, 2 * ffn, hidden, generator=gen) * hidden ** -0.5
+                           ).to(device, dtype).requires_grad_()
+                down = (torch.randn(slots, hidden, ffn, generator=gen) * ffn ** -0.5
+                        ).to(device, dtype).requires_grad_()
+                grad = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+                if not grouped_mm_runs(x, ffn):
+                    continue
+
+                def step(fn):
+                    y = fn(x, gate_up, down, counts)
+                    y.backward(grad)
+                    x.grad = gate_up.grad = down.grad = None
+
+                timed = interleaved({"slot loop": lambda: step(looped_swiglu),
+                                     "grouped_mm": lambda: step(grouped_swiglu)}, repeats, sync)
+                loop = timed["slot loop"]
+                # fwd: 3 GEMMs of 2*M*D*F flops each; bwd twice that
+                flops = 3 * 3 * 2 * rows * hidden * ffn
+                label = f"{slots} slots {str(dtype).replace('torch.', '')} {device} fwd+bwd"
+                for method, seconds in timed.items():
+                    out.append(Row("experts", label, method, seconds * 1e3,
+                                   flops / seconds / 1e12, loop / seconds))
+    return out
+
+
 # -- command line -----------------------------------------------------------------------------
 
 
@@ -307,8 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"small sizes: T={QUICK['tokens']} (CPU/GPU), {QUICK['dist_tokens']} "
                              f"tokens per rank (dist), {QUICK['repeats']} repeats")
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="comma-separated subset of cpu,dist,gpu (default: all; gpu runs only "
-                             "with CuPy and a CUDA GPU)")
+                        help="comma-separated subset of cpu,dist,gpu,shares,experts (default: "
+                             "all; gpu runs only with CuPy and a CUDA GPU)")
     parser.add_argument("--tokens", type=positive_int_arg, default=None,
                         help=f"T of the kernel sections (default {FULL['tokens']})")
     parser.add_argument("--hidden", type=positive_int_arg, default=None,
@@ -334,6 +446,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _cells(rows: Sequence[Row]) -> list[list[str]]:
     return [[r.section, r.op, r.method, f"{r.ms:.2f}", f"{r.gbps:.2f}",
              "" if r.vs_copy is None else f"{r.vs_copy:.2f}x"] for r in rows]
+
+
+def _share_cells(share_rows: Sequence[dict]) -> list[list[str]]:
+    return [[r["traffic"], r["nodes"], str(r["pairs"]), str(r["replicas"]),
+             f"{r['max_deviation']:.3f}"] for r in share_rows]
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -382,6 +499,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                             args.seed)
         else:
             notes.append("gpu section skipped: needs CuPy and a CUDA GPU")
+    share_rows: list[dict] = []
+    if "shares" in sections:
+        share_rows = run_shares(args.seed)
+    if "experts" in sections:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        rows += run_experts(preset["expert_rows"], preset["expert_hidden"], preset["expert_ffn"],
+                            args.repeats, args.seed, devices)
+        notes.append(f"experts: {preset['expert_rows']} rows, D={preset['expert_hidden']}, "
+                     f"F={preset['expert_ffn']}, forward + backward; the GB/s column holds "
+                     f"TFLOP/s and 'vs copy' the slot loop's time over each method's")
     if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
         notes.append("fresh CPU buffers pay first-touch page faults; THP_MEM_ALLOC_ENABLE=1 "
                      "(torch's huge-page allocations) removes most of that cost")
@@ -392,6 +519,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     table = format_text(COLUMNS, _cells(rows))
     print()
     print(table)
+    if share_rows:
+        print()
+        print(format_text(SHARE_COLUMNS, _share_cells(share_rows)))
     for line in notes:
         print(f"note: {line}")
     out = Path(args.out)
@@ -401,7 +531,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                             "seed")}
     config.update(sections=sections, wall_s=round(elapsed, 2))
     (out / "results.json").write_text(json.dumps(
-        {"machine": info, "config": config, "rows": [asdict(r) for r in rows], "notes": notes},
+        {"machine": info, "config": config, "rows": [asdict(r) for r in rows],
+         "shares": share_rows, "notes": notes},
         indent=2) + "\n", encoding="utf-8")
     md = ["# moebalance dispatch benchmark", "",
           f"- machine: {info['cpu']}, {info['cores']} cores; threads {threads}",
@@ -414,6 +545,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           "GB/s: bytes a method must move (permute 2*N*D, unpermute (N+T)*D, copy 2*N*D elements) "
           "over its time. 'vs copy': GB/s over the plain copy's (fresh buffers against clone, "
           "out= against copy_).", ""]
+    if share_rows:
+        md += ["Shares realised (4 gloo ranks):", "",
+               format_markdown(SHARE_COLUMNS, _share_cells(share_rows)), ""]
     md += [f"- note: {x}" for x in notes]
     (out / "summary.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
@@ -422,9 +556,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance bench dispatch`` as a function; ``argv`` excludes the program name."""
-    parser = ArgumentParser(prog="moebalance bench dispatch", description=DESCRIPTION)
-    add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    return run_guarded(lambda: run(args, ["moebalance", "bench", "dispatch", *argv]),
-                       prog="moebalance bench dispatch")
+    return run_subcommand("dispatch", DESCRIPTION, add_arguments, run, argv)

@@ -1,11 +1,14 @@
-"""Replica-aware token dispatch: routing tables, kernels (reference, Numba, CUDA) and the Dispatcher.
+"""Replica-aware token dispatch: routing from global counts, per-step re-split, kernels
+(reference, Numba, CUDA), row exchanges and the Dispatcher.
 
 See :mod:`moebalance.dispatch.dispatcher` for the data flow of one dispatch / combine.
 """
 
-from .dispatcher import RANK_PAIR_STRIDE, DispatchHandle, Dispatcher, release_buffers
+from .buffers import release_buffers
+from .dispatcher import DispatchHandle, Dispatcher
 from .kernels import kernels_for
-from .routing import RoutingTable, routing_table
+from .routing import ReplicaTable, replica_flows, replica_table, replica_targets
+from .shares import resplit_plan, resplit_shares
 
-__all__ = ["Dispatcher", "DispatchHandle", "RANK_PAIR_STRIDE", "RoutingTable", "routing_table",
-           "kernels_for", "release_buffers"]
+__all__ = ["Dispatcher", "DispatchHandle", "ReplicaTable", "replica_table", "replica_targets",
+           "replica_flows", "resplit_plan", "resplit_shares", "kernels_for", "release_buffers"]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
-from . import reference
+from . import checks
 from .reference import compute_dtype
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad", "source",
@@ -142,19 +142,20 @@ def _vector_width(dtype: torch.dtype, dim: int, *tensors: torch.Tensor) -> int:
     return width if aligned else 1
 
 
-def route(topk_ids_TK: torch.Tensor, slots_EX: torch.Tensor, thresholds_EX: torch.Tensor,
-          pair_offset: int = 0) -> torch.Tensor:
+def route(topk_ids_TK: torch.Tensor, rank_TK: torch.Tensor, slots_EX: torch.Tensor,
+          bounds_EX: torch.Tensor) -> torch.Tensor:
     """See :func:`.reference.route`. Returns slot_TK [T, K] int64 (expert ids are not checked)."""
     _require_gpu()
-    reference.check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset)
-    device = _on_cuda(topk_ids_TK=topk_ids_TK, slots_EX=slots_EX, thresholds_EX=thresholds_EX)
+    checks.check_route(topk_ids_TK, rank_TK, slots_EX, bounds_EX)
+    device = _on_cuda(topk_ids_TK=topk_ids_TK, rank_TK=rank_TK, slots_EX=slots_EX,
+                      bounds_EX=bounds_EX)
     out = torch.empty(topk_ids_TK.shape, dtype=torch.int64, device=device)
     n = out.numel()
     if n:
         E, X = slots_EX.shape
         _launch(device, "route_pairs", _grid(device, n, _BLOCK),
-                (topk_ids_TK.contiguous(), slots_EX.contiguous(), thresholds_EX.contiguous(),
-                 n, E, X, pair_offset, out))
+                (topk_ids_TK.contiguous(), rank_TK.contiguous(), slots_EX.contiguous(),
+                 bounds_EX.contiguous(), n, E, X, out))
     return out
 
 
@@ -166,7 +167,7 @@ def sort_by_slot(slot_TK: torch.Tensor,
     a per-chunk stable scatter, one warp per chunk; no atomics.
     """
     _require_gpu()
-    reference.check_sort_by_slot(slot_TK, num_slots)
+    checks.check_sort_by_slot(slot_TK, num_slots)
     device = _on_cuda(slot_TK=slot_TK)
     n = slot_TK.numel()
     order = torch.empty(n, dtype=torch.int64, device=device)
@@ -196,13 +197,13 @@ def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor
     that the row size and the pointers' alignment allow.
     """
     _require_gpu()
-    reference.check_gather_rows(x_MD, index_N, scale_N)
+    checks.check_gather_rows(x_MD, index_N, scale_N)
     device = _on_cuda(x_MD=x_MD, index_N=index_N, scale_N=scale_N)
     shape = (index_N.shape[0], x_MD.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=x_MD.dtype, device=device)
     else:
-        reference.check_out(out, shape, x_MD.dtype, device)
+        checks.check_out(out, shape, x_MD.dtype, device)
     n, dim = shape
     if n == 0 or dim == 0:
         return out
@@ -230,14 +231,14 @@ def combine(y_ND: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor |
     the compute dtype.
     """
     _require_gpu()
-    reference.check_combine(y_ND, pos_TK, weights_TK)
+    checks.check_combine(y_ND, pos_TK, weights_TK)
     device = _on_cuda(y_ND=y_ND, pos_TK=pos_TK, weights_TK=weights_TK)
     T, K = pos_TK.shape
     shape = (T, y_ND.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=y_ND.dtype, device=device)
     else:
-        reference.check_out(out, shape, y_ND.dtype, device)
+        checks.check_out(out, shape, y_ND.dtype, device)
     dim = shape[1]
     if T == 0 or dim == 0:
         return out
@@ -256,7 +257,7 @@ def combine_weight_grad(grad_TD: torch.Tensor, y_ND: torch.Tensor,
     One warp per pair: lanes stride over D, then a shuffle reduction.
     """
     _require_gpu()
-    reference.check_combine_weight_grad(grad_TD, y_ND, pos_TK)
+    checks.check_combine_weight_grad(grad_TD, y_ND, pos_TK)
     device = _on_cuda(grad_TD=grad_TD, y_ND=y_ND, pos_TK=pos_TK)
     out = torch.empty(pos_TK.shape, dtype=compute_dtype(y_ND.dtype), device=device)
     pairs = out.numel()

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from . import reference
-from .reference import HASH_BITS, HASH_MULTIPLIER
+from . import checks, reference
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad"]
 
@@ -48,24 +47,14 @@ def _threads_for(elements: int) -> Iterator[None]:
 # -- kernels (numpy in, numpy out; inputs already checked) ------------------------------------
 
 
-@njit(cache=True, inline="always")
-def _hash24(i):
-    # Same 16-bit split as reference.hash24: no intermediate reaches 2**63.
-    low32 = i & 0xFFFFFFFF
-    lo = low32 & 0xFFFF
-    hi = low32 >> 16
-    prod = (lo * HASH_MULTIPLIER + (((hi * HASH_MULTIPLIER) & 0xFFFF) << 16)) & 0xFFFFFFFF
-    return prod >> (32 - HASH_BITS)
-
-
 @njit(parallel=True, cache=True)
-def _route_kernel(ids_N, slots_EX, thresholds_EX, pair_offset, out_N):
+def _route_kernel(ids_N, rank_N, slots_EX, bounds_EX, out_N):
     last = slots_EX.shape[1] - 1
     for p in prange(ids_N.shape[0]):
         e = ids_N[p]
-        u = _hash24(pair_offset + p)
+        r = rank_N[p]
         j = 0
-        while j < last and u >= thresholds_EX[e, j]:
+        while j < last and r >= bounds_EX[e, j]:
             j += 1
         out_N[p] = slots_EX[e, j]
 
@@ -176,29 +165,29 @@ def _output(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch
     """``out`` checked against ``shape`` and ``like``'s dtype and device, or a new tensor."""
     if out is None:
         return torch.empty(shape, dtype=like.dtype)
-    reference.check_out(out, shape, like.dtype, like.device)
+    checks.check_out(out, shape, like.dtype, like.device)
     return out
 
 
-def route(topk_ids_TK: torch.Tensor, slots_EX: torch.Tensor, thresholds_EX: torch.Tensor,
-          pair_offset: int = 0) -> torch.Tensor:
+def route(topk_ids_TK: torch.Tensor, rank_TK: torch.Tensor, slots_EX: torch.Tensor,
+          bounds_EX: torch.Tensor) -> torch.Tensor:
     """See :func:`.reference.route`. Returns slot_TK [T, K] int64."""
-    reference.check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset)
-    reference.check_expert_ids(topk_ids_TK, slots_EX.shape[0])
+    checks.check_route(topk_ids_TK, rank_TK, slots_EX, bounds_EX)
+    checks.check_expert_ids(topk_ids_TK, slots_EX.shape[0])
     out = torch.empty(topk_ids_TK.shape, dtype=torch.int64)
     if out.numel():
         with _threads_for(out.numel()):
             _route_kernel(_cpu(topk_ids_TK, "topk_ids_TK").reshape(-1),
-                          _cpu(slots_EX, "slots_EX"), _cpu(thresholds_EX, "thresholds_EX"),
-                          np.int64(pair_offset), out.detach().numpy().reshape(-1))
+                          _cpu(rank_TK, "rank_TK").reshape(-1), _cpu(slots_EX, "slots_EX"),
+                          _cpu(bounds_EX, "bounds_EX"), out.detach().numpy().reshape(-1))
     return out
 
 
 def sort_by_slot(slot_TK: torch.Tensor,
                  num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`.reference.sort_by_slot`. Returns (order_N, pos_TK, counts_S), all int64."""
-    reference.check_sort_by_slot(slot_TK, num_slots)
-    reference.check_slot_values(slot_TK, num_slots)
+    checks.check_sort_by_slot(slot_TK, num_slots)
+    checks.check_slot_values(slot_TK, num_slots)
     n = slot_TK.numel()
     order = torch.empty(n, dtype=torch.int64)
     pos = torch.empty(slot_TK.shape, dtype=torch.int64)
@@ -214,11 +203,11 @@ def sort_by_slot(slot_TK: torch.Tensor,
 def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor | None = None,
                 *, out: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`.reference.gather_rows`. Returns out_ND [N, D] in x_MD's dtype."""
-    reference.check_gather_rows(x_MD, index_N, scale_N)
+    checks.check_gather_rows(x_MD, index_N, scale_N)
     if x_MD.dtype not in _NUMBA_FLOATS:
         return reference.gather_rows(x_MD, index_N, scale_N, out=out)
     out = _output(out, (index_N.shape[0], x_MD.shape[1]), x_MD)
-    reference.check_index_values(index_N, x_MD.shape[0])
+    checks.check_index_values(index_N, x_MD.shape[0])
     if out.numel():
         x, index = _cpu(x_MD, "x_MD"), _cpu(index_N, "index_N")
         with _threads_for(out.numel()):
@@ -233,11 +222,11 @@ def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor
 def combine(y_ND: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor | None = None,
             *, out: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`.reference.combine`. Returns out_TD [T, D] in y_ND's dtype."""
-    reference.check_combine(y_ND, pos_TK, weights_TK)
+    checks.check_combine(y_ND, pos_TK, weights_TK)
     if y_ND.dtype not in _NUMBA_FLOATS:
         return reference.combine(y_ND, pos_TK, weights_TK, out=out)
     out = _output(out, (pos_TK.shape[0], y_ND.shape[1]), y_ND)
-    reference.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
+    checks.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
     if out.numel():
         y, pos = _cpu(y_ND, "y_ND"), _cpu(pos_TK, "pos_TK")
         with _threads_for(pos.size * y_ND.shape[1]):
@@ -252,10 +241,10 @@ def combine(y_ND: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor |
 def combine_weight_grad(grad_TD: torch.Tensor, y_ND: torch.Tensor,
                         pos_TK: torch.Tensor) -> torch.Tensor:
     """See :func:`.reference.combine_weight_grad`. Returns grad_w_TK [T, K] in the compute dtype."""
-    reference.check_combine_weight_grad(grad_TD, y_ND, pos_TK)
+    checks.check_combine_weight_grad(grad_TD, y_ND, pos_TK)
     if y_ND.dtype not in _NUMBA_FLOATS:
         return reference.combine_weight_grad(grad_TD, y_ND, pos_TK)
-    reference.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
+    checks.check_index_values(pos_TK.reshape(-1), y_ND.shape[0], "pos_TK")
     out = torch.zeros(pos_TK.shape, dtype=y_ND.dtype)
     if out.numel():
         with _threads_for(out.numel() * y_ND.shape[1]):

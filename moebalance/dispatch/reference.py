@@ -1,9 +1,10 @@
-"""Plain torch reference of every dispatch kernel, and the argument checks all backends share.
+"""Plain torch reference of every dispatch kernel.
 
 Each function here is the definition the Numba (``numba_kernels``) and CUDA (``cuda``) kernels must
 reproduce; tests compare them on random inputs. Integer outputs are identical everywhere; float
 outputs are identical where the arithmetic is (gather, combine), and equal up to summation order
-where a reduction is involved (``combine_weight_grad``).
+where a reduction is involved (``combine_weight_grad``). The argument checks all backends share
+live in :mod:`.checks`.
 
 Legend: T tokens on this rank, K top-k, D hidden size, E logical experts, X most replicas of an
 expert, S global slots, N = T*K routed pairs, pair index p = t*K + k, M rows of a gathered source.
@@ -11,28 +12,18 @@ expert, S global slots, N = T*K routed pairs, pair index p = t*K + k, M rows of 
 Arithmetic: 16-bit inputs (bfloat16, float16) are computed in float32 and rounded once at the end;
 float32 in float32; float64 in float64 (:func:`compute_dtype`). Scales and weights of any float
 dtype are first converted to that compute dtype.
-
-Value checks (expert ids, slots and row indices in range) run for CPU tensors only: reading a
-device tensor's minimum and maximum on the host would stall every step. On an accelerator the
-Dispatcher checks expert ids through its counts exchange, and the other indices come from these
-kernels themselves.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Routing hash: u = ((i * HASH_MULTIPLIER) mod 2**32) >> 8, a Weyl sequence in [0, 2**24).
-HASH_MULTIPLIER = 2654435761
-HASH_BITS = 24
-HASH_ONE = 1 << HASH_BITS
+from .checks import (check_combine, check_combine_weight_grad, check_expert_ids, check_gather_rows,
+                     check_index_values, check_out, check_route, check_slot_values,
+                     check_sort_by_slot)
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-__all__ = [
-    "HASH_MULTIPLIER", "HASH_BITS", "HASH_ONE", "compute_dtype", "hash24",
-    "route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad",
-]
+__all__ = ["compute_dtype", "route", "sort_by_slot", "gather_rows", "combine",
+           "combine_weight_grad"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,186 +31,29 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# -- argument checks shared by every backend --------------------------------------------------
-
-
-def _tensor(x, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _int64(x, name: str, ndim: int, shape_doc: str) -> torch.Tensor:
-    x = _tensor(x, name)
-    if x.dtype != torch.int64:
-        raise TypeError(f"{name} must be an int64 tensor {shape_doc}, got dtype {x.dtype}; "
-                        f"convert with .long()")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
-    return x
-
-
-def _floats(x, name: str, ndim: int, shape_doc: str) -> torch.Tensor:
-    x = _tensor(x, name)
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a float32/float64/bfloat16/float16 tensor {shape_doc}, "
-                        f"got dtype {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
-    return x
-
-
-def _same_device(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}; "
-                         f"move both to one device")
-
-
-def check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`route` are well formed."""
-    _int64(topk_ids_TK, "topk_ids_TK", 2, "[T, K]")
-    _int64(slots_EX, "slots_EX", 2, "[E, X]")
-    _int64(thresholds_EX, "thresholds_EX", 2, "[E, X]")
-    if thresholds_EX.shape != slots_EX.shape:
-        raise ValueError(f"thresholds_EX must have the shape of slots_EX {tuple(slots_EX.shape)}, "
-                         f"got {tuple(thresholds_EX.shape)}; build both with routing_table()")
-    if slots_EX.shape[0] < 1 or slots_EX.shape[1] < 1:
-        raise ValueError(f"slots_EX must have at least one expert and one replica column, "
-                         f"got shape {tuple(slots_EX.shape)}")
-    _same_device("slots_EX", slots_EX, "topk_ids_TK", topk_ids_TK)
-    _same_device("thresholds_EX", thresholds_EX, "topk_ids_TK", topk_ids_TK)
-    if isinstance(pair_offset, bool) or not isinstance(pair_offset, int) or pair_offset < 0:
-        raise ValueError(f"pair_offset must be a Python int >= 0, got {pair_offset!r}")
-
-
-def _outside(values: torch.Tensor, upper: int) -> int | None:
-    """A value of ``values`` outside [0, upper), or None; CPU tensors only: on an accelerator
-    reading the range on the host would stall the step (see the module docstring)."""
-    if values.numel() == 0 or values.device.type != "cpu":
-        return None
-    lo, hi = int(values.min()), int(values.max())
-    if lo < 0:
-        return lo
-    return hi if hi >= upper else None
-
-
-def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError if an expert id lies outside [0, num_experts) (CPU tensors only)."""
-    bad = _outside(topk_ids_TK, num_experts)
-    if bad is not None:
-        raise ValueError(f"topk_ids_TK holds expert id {bad}, outside [0, {num_experts}) of the "
-                         f"routing table; route with the table of this layer")
-
-
-def check_sort_by_slot(slot_TK, num_slots) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`sort_by_slot` are well formed."""
-    _int64(slot_TK, "slot_TK", 2, "[T, K]")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots must be a Python int >= 1, got {num_slots!r}")
-
-
-def check_slot_values(slot_TK: torch.Tensor, num_slots: int) -> None:
-    """Raise ValueError if a slot id lies outside [0, num_slots) (CPU tensors only)."""
-    bad = _outside(slot_TK, num_slots)
-    if bad is not None:
-        raise ValueError(f"slot_TK holds slot {bad}, outside [0, num_slots={num_slots})")
-
-
-def check_gather_rows(x_MD, index_N, scale_N) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`gather_rows` are well formed."""
-    _floats(x_MD, "x_MD", 2, "[M, D]")
-    _int64(index_N, "index_N", 1, "[N]")
-    _same_device("index_N", index_N, "x_MD", x_MD)
-    if scale_N is not None:
-        _floats(scale_N, "scale_N", 1, "[N]")
-        if scale_N.shape[0] != index_N.shape[0]:
-            raise ValueError(f"scale_N must have shape [N]=({index_N.shape[0]},) like index_N, "
-                             f"got {tuple(scale_N.shape)}")
-        _same_device("scale_N", scale_N, "x_MD", x_MD)
-
-
-def check_out(out, name_shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise TypeError/ValueError unless ``out`` is a contiguous tensor of the given shape/dtype."""
-    _tensor(out, "out")
-    shape = tuple(name_shape)
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
-        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {device}, got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous; allocate it with torch.empty")
-
-
-def check_index_values(index_N: torch.Tensor, num_rows: int, name: str = "index_N") -> None:
-    """Raise ValueError if a row index lies outside [0, num_rows) (CPU tensors only)."""
-    bad = _outside(index_N, num_rows)
-    if bad is not None:
-        raise ValueError(f"{name} holds row {bad}, outside [0, {num_rows})")
-
-
-def check_combine(y_ND, pos_TK, weights_TK) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`combine` are well formed."""
-    _floats(y_ND, "y_ND", 2, "[N, D]")
-    _int64(pos_TK, "pos_TK", 2, "[T, K]")
-    _same_device("pos_TK", pos_TK, "y_ND", y_ND)
-    if weights_TK is not None:
-        _floats(weights_TK, "weights_TK", 2, "[T, K]")
-        if weights_TK.shape != pos_TK.shape:
-            raise ValueError(f"weights_TK must have the shape of pos_TK {tuple(pos_TK.shape)}, "
-                             f"got {tuple(weights_TK.shape)}")
-        _same_device("weights_TK", weights_TK, "y_ND", y_ND)
-
-
-def check_combine_weight_grad(grad_TD, y_ND, pos_TK) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`combine_weight_grad` are well formed."""
-    _floats(grad_TD, "grad_TD", 2, "[T, D]")
-    _floats(y_ND, "y_ND", 2, "[N, D]")
-    _int64(pos_TK, "pos_TK", 2, "[T, K]")
-    if grad_TD.dtype != y_ND.dtype:
-        raise TypeError(f"grad_TD ({grad_TD.dtype}) and y_ND ({y_ND.dtype}) must share a dtype")
-    if grad_TD.shape[0] != pos_TK.shape[0] or grad_TD.shape[1] != y_ND.shape[1]:
-        raise ValueError(f"grad_TD must have shape [T, D]=({pos_TK.shape[0]}, {y_ND.shape[1]}), "
-                         f"got {tuple(grad_TD.shape)}")
-    _same_device("y_ND", y_ND, "grad_TD", grad_TD)
-    _same_device("pos_TK", pos_TK, "grad_TD", grad_TD)
-
-
 # -- the kernels ------------------------------------------------------------------------------
 
 
-def hash24(i: torch.Tensor) -> torch.Tensor:
-    """((i * HASH_MULTIPLIER) mod 2**32) >> 8 for int64 ``i >= 0``, without int64 overflow.
-
-    The product is formed from 16-bit halves of ``i mod 2**32`` so every intermediate stays
-    below 2**49.
-    """
-    low32 = i & 0xFFFFFFFF
-    lo, hi = low32 & 0xFFFF, low32 >> 16
-    prod = (lo * HASH_MULTIPLIER + (((hi * HASH_MULTIPLIER) & 0xFFFF) << 16)) & 0xFFFFFFFF
-    return prod >> (32 - HASH_BITS)
-
-
-def route(topk_ids_TK: torch.Tensor, slots_EX: torch.Tensor, thresholds_EX: torch.Tensor,
-          pair_offset: int = 0) -> torch.Tensor:
-    """Physical slot of every routed pair.
+def route(topk_ids_TK: torch.Tensor, rank_TK: torch.Tensor, slots_EX: torch.Tensor,
+          bounds_EX: torch.Tensor) -> torch.Tensor:
+    """Physical slot of every routed pair, from this rank's cumulative pairs per replica.
 
     Args:
         topk_ids_TK: [T, K] int64, logical expert of each pair.
+        rank_TK: [T, K] int64, the pair's place among this rank's pairs of its expert, in pair
+            order (0 for the first pair of expert e, 1 for the next, ...).
         slots_EX: [E, X] int64, physical slots of each expert's replicas (-1 padded).
-        thresholds_EX: [E, X] int64, cumulative thresholds in units of 2**-24 (see routing_table).
-        pair_offset: added to the pair index p = t*K + k before hashing, so that pairs of
-            different ranks/micro-batches draw different replicas.
+        bounds_EX: [E, X] int64, cumulative pairs of each expert this rank sends to its replicas
+            1..j (non-decreasing along j; see :mod:`.routing`).
 
     Returns:
-        slot_TK: [T, K] int64, slots_EX[e, j] for the first j with hash24(pair_offset + p) <
-        thresholds_EX[e, j].
+        slot_TK: [T, K] int64, slots_EX[e, j] for the first j with rank_TK < bounds_EX[e, j]
+        (the last column when there is none).
     """
-    check_route(topk_ids_TK, slots_EX, thresholds_EX, pair_offset)
+    check_route(topk_ids_TK, rank_TK, slots_EX, bounds_EX)
     check_expert_ids(topk_ids_TK, slots_EX.shape[0])
-    T, K = topk_ids_TK.shape
-    p = torch.arange(T * K, dtype=torch.int64, device=topk_ids_TK.device).view(T, K)
-    u = hash24(p + pair_offset)
-    thr = thresholds_EX[topk_ids_TK]                      # [T, K, X]
-    j = (u.unsqueeze(-1) >= thr).sum(-1)                  # thresholds are non-decreasing
+    bounds = bounds_EX[topk_ids_TK]                        # [T, K, X]
+    j = (rank_TK.unsqueeze(-1) >= bounds).sum(-1).clamp(max=slots_EX.shape[1] - 1)
     return slots_EX[topk_ids_TK, j]
 
 

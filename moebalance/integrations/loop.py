@@ -31,7 +31,7 @@ from torch import nn
 
 from ..metrics import summary_imbalance
 from ..migrate import MigrationError, Migrator
-from ..nn import apply_placement, current_placement, moe_layers
+from ..expert_slots import apply_placement, current_placement, moe_layers
 from ..planner import plan
 from ..topology import Topology
 from ..tracker import LoadTracker, attach
@@ -59,10 +59,10 @@ def _optional_positive(value, name: str):
 
 
 class Rebalancer:
-    """Re-plan and migrate the ExpertParallelMoE layers of ``model`` while it trains.
+    """Re-plan and migrate the expert-parallel layers of ``model`` while it trains.
 
     Args:
-        model: the model (its ExpertParallelMoE layers share one process group).
+        model: the model (its expert-parallel layers share one process group).
         topology: the devices (one per rank of the group), with speeds and slots.
         optimizer: the optimizer of the experts (its state moves with the rows); None for
             weights only.
@@ -89,8 +89,9 @@ class Rebalancer:
                  plan_options: dict | None = None) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
-            raise ValueError(f"{type(model).__name__} holds no ExpertParallelMoE layer; build the "
-                             f"model from moebalance layers (or wrap it) before adding a Rebalancer")
+            raise ValueError(f"{type(model).__name__} holds no expert-parallel layer; build the "
+                             f"model from moebalance layers (or moebalance.wrap it) before adding "
+                             f"a Rebalancer")
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
         world = self.layers[0].dispatcher.world_size
@@ -141,10 +142,10 @@ class Rebalancer:
     def _tracker_rows(self) -> list[tuple[int, int]]:
         """(tracker layer, placement layer) for every ExpertParallelMoE layer."""
         names = list(self.tracker.layer_names or [])
-        prefix = {id(m): name for name, m in self.model.named_modules()}
+        name_of = {id(m): name for name, m in self.model.named_modules()}
         rows = []
         for layer in self.layers:
-            router_name = (prefix[id(layer)] + ".router").lstrip(".")
+            router_name = name_of.get(id(layer.router_module()), "?")
             if router_name not in names:
                 raise ValueError(f"the tracker does not record the router {router_name!r}; attach it "
                                  f"to this model with moebalance.attach(model)")
