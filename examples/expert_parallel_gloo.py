@@ -5,31 +5,34 @@ LoadTracker records the router's choices; then the loads are summed over the ran
 placement is planned for devices of speed 1, 1, 0.5, 0.5 (moving at most 4 experts), and every
 rank checks that it planned the identical placement.
 
-    python examples/expert_parallel_gloo.py [--steps 20]
+    python examples/expert_parallel_gloo.py [--steps 20]                  # spawns 4 ranks itself
+    torchrun --standalone --nproc-per-node 4 examples/expert_parallel_gloo.py [--steps 20]
 
+:func:`moebalance.launch.launch` tells the two apart: under torchrun each process is one rank
+and joins the group from the environment torchrun sets; run directly, it spawns the ranks.
 Moving weights into the new placement while training goes on is not part of this example.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import moebalance as mb
+from moebalance.launch import launch
 
-WORLD, HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 4, 32, 64, 8, 2, 256
+HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 32, 64, 8, 2, 256
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
 
 
-def worker(rank: int, port: int, steps: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+def worker(rank: int, world_size: int, steps: int) -> None:
+    if world_size != TOPOLOGY.num_devices:
+        raise ValueError(f"this example plans for {TOPOLOGY.num_devices} devices, one per rank; "
+                         f"it runs on {world_size} ranks: start it with --nproc-per-node "
+                         f"{TOPOLOGY.num_devices}")
     # First placement from a guess (uniform loads); every rank computes the same one.
     placement = mb.plan(np.ones((1, EXPERTS)), TOPOLOGY)
     moe = mb.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, placement, seed=0,
@@ -51,7 +54,7 @@ def worker(rank: int, port: int, steps: int) -> None:
     loads = tracker.snapshot()           # [1, E], summed over the ranks
     new = mb.plan(loads, TOPOLOGY, previous=placement, max_moves=4)
     digest = torch.tensor(new.phy2log, dtype=torch.int64)
-    agreed = [torch.zeros_like(digest) for _ in range(WORLD)]
+    agreed = [torch.zeros_like(digest) for _ in range(world_size)]
     dist.all_gather(agreed, digest)
     assert all(torch.equal(a, digest) for a in agreed), "ranks planned different placements"
     if rank == 0:
@@ -64,17 +67,13 @@ def worker(rank: int, port: int, steps: int) -> None:
             slots = TOPOLOGY.device_slots(g)
             print(f"  device {g} (speed {TOPOLOGY.speed[g]}): experts {new.phy2log[0, slots].tolist()}"
                   f" shares {np.round(new.share[0, slots], 2).tolist()}")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.steps), nprocs=WORLD, join=True)
+    launch(worker, TOPOLOGY.num_devices, args=(args.steps,))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -109,6 +111,8 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.nda
         raise UsageError(f"{flag} must be a {', '.join(LOAD_SUFFIXES)} file, got {path!r}")
     if not p.is_file():
         raise UsageError(f"{flag}: no such file {path!r}")
+    _check_kind(p, flag, {".npy": ("npy",), ".npz": ("zip",), ".pt": ("zip", "pickle"),
+                          ".pth": ("zip", "pickle")}[p.suffix])
     try:
         if p.suffix == ".npy":
             arr = np.load(p, allow_pickle=False)
@@ -135,6 +139,82 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.nda
         return as_loads(arr, flag)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+
+
+# What a file's first bytes say it is, and how to make the file its name promises.
+_KINDS = {
+    "npy": "a numpy array (.npy)",
+    "zip": "a zip archive (.npz, or a torch.save file)",
+    "pickle": "a pickle (an old-style torch.save file)",
+    "text": "text",
+    "empty": "empty",
+    "binary": "binary data of no kind moebalance reads",
+}
+_HOW = {
+    ".npy": "write it with numpy.save (a text table: numpy.save(path, numpy.loadtxt(text_path)))",
+    ".npz": "write it with numpy.savez, or with moebalance.Placement.save / moebalance plan --out",
+    ".pt": "write it with torch.save(tensor or dict of tensors)",
+    ".pth": "write it with torch.save(tensor or dict of tensors)",
+}
+
+
+def file_kind(path: Path) -> str:
+    """What the first bytes of ``path`` say it holds: a key of ``_KINDS``."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if not head:
+        return "empty"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    if head[:1] == b"\x80":
+        return "pickle"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not just a character cut at the 512th byte
+            return "binary"
+    return "text"
+
+
+def _check_kind(path: Path, flag: str, expected: tuple[str, ...]) -> None:
+    """UsageError unless ``path`` holds one of the ``expected`` kinds, saying what it holds."""
+    kind = file_kind(path)
+    if kind not in expected:
+        raise UsageError(f"{flag}: {str(path)!r} is named {path.suffix} but holds {_KINDS[kind]}; "
+                         f"{_HOW.get(path.suffix, 'give a file of the kind its name says')}")
+
+
+def writable_dir(path: str, flag: str) -> Path:
+    """``path`` as a folder that exists and takes new files (made if missing), checked before any
+    work starts; UsageError naming ``flag`` otherwise."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot write into {path!r} ({exc.strerror or exc}); choose a "
+                         f"folder you can write to with {flag} DIR") from None
+    return p
+
+
+def writable_file(path: str, flag: str) -> Path:
+    """``path`` as a file that can be written (its folder exists and takes files), checked before
+    any work starts; UsageError naming ``flag`` otherwise. Nothing is written to ``path``."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag}: {path!r} is a folder; give a file name, e.g. {flag} "
+                         f"{os.path.join(path, 'placement.npz')}")
+    folder = p.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag}: the folder {str(folder)!r} does not exist; create it or "
+                         f"choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{flag}: cannot write {path!r} (permission denied); choose another "
+                         f"path with {flag} FILE")
+    return p
 
 
 def _pick_key(keys: list, key: str | None, flag: str, path: str) -> str:
@@ -210,9 +290,18 @@ def topology_from_args(args: argparse.Namespace, required: bool = True):
 
 
 def read_placement(path: str, flag: str = "PLACEMENT"):
-    if not Path(path).is_file():
+    """``(placement, topology or None)`` from a file written by ``Placement.save`` (``moebalance
+    plan --out``); UsageError naming ``flag`` for anything else."""
+    p = Path(path)
+    if not p.is_file():
         raise UsageError(f"{flag}: no such file {path!r}")
+    kind = file_kind(p)
+    if kind != "zip":
+        raise UsageError(f"{flag}: {path!r} holds {_KINDS[kind]}, not a saved moebalance "
+                         f"placement{' (loads, perhaps?)' if kind == 'npy' else ''}; pass the "
+                         f".npz that moebalance plan --out or Placement.save wrote")
     try:
-        return Placement.load(path)
-    except Exception as exc:  # a corrupt or foreign file: report it, don't trace it back
-        raise UsageError(f"{flag}: {path!r} is not a saved moebalance placement ({exc})") from None
+        return Placement.load_with_topology(p)
+    except Exception as exc:  # a corrupt or foreign archive: report it, don't trace it back
+        raise UsageError(f"{flag}: {path!r} is not a saved moebalance placement ({exc}); pass "
+                         f"a file written by moebalance plan --out or Placement.save") from None

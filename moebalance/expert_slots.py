@@ -19,6 +19,7 @@ Legend: L layers of the placement, S global slots, Ls slots on this rank, E logi
 
 from __future__ import annotations
 
+import weakref
 from abc import abstractmethod
 
 import numpy as np
@@ -97,7 +98,8 @@ class ExpertSlots(nn.Module):
         self.grad_sync = grad_sync
         self._sync = None
         if self.dispatcher.world_size > 1:
-            self._sync = GradientSync(self.dispatcher.group, lambda: self._exchange,
+            this = weakref.ref(self)     # no cycle module -> sync -> module (see GradientSync)
+            self._sync = GradientSync(self.dispatcher.group, lambda: this()._exchange,
                                       self.slot_parameters(), list(group_params), scale=grad_scale)
             self._sync.enabled = grad_sync == "backward"
 

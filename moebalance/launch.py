@@ -13,6 +13,7 @@ process; otherwise it spawns ``world_size`` processes that meet on a free local 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import socket
@@ -54,8 +55,13 @@ def _run(rank: int, world_size: int, init_method: str | None, backend: str, time
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, **kwargs)
     try:
-        return fn(dist.get_rank(), dist.get_world_size(), *args)
+        result = fn(dist.get_rank(), dist.get_world_size(), *args)
+        dist.barrier()    # no rank tears its group down while a peer may still talk to it
+        return result
     finally:
+        # Objects in reference cycles that still hold the group must go before it does: left
+        # to interpreter exit, gloo's threads can be torn down under them (an abort at exit).
+        gc.collect()
         dist.destroy_process_group()
 
 

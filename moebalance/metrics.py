@@ -1,4 +1,11 @@
-"""The balance figures of DESIGN.md section 2, per layer and as one summary."""
+"""How evenly a placement spreads the tokens, per layer and as one summary.
+
+A device's load is the sum, over its slots, of the slot's expert's tokens times the slot's share;
+its time is load / speed. **imbalance** is the slowest device's time over the ideal time (all
+tokens over all speed): 1.0 is perfect. **balancedness** is EPLB's mean/max device load, blind to
+speed. Over several layers, which run one after another, the summary is
+``sum_l max_g(load/speed) / sum_l ideal``.
+"""
 
 from __future__ import annotations
 

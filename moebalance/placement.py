@@ -31,6 +31,49 @@ def _int_array(x, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _check_contents(phy2log: np.ndarray, share: np.ndarray, slot_device: np.ndarray,
+                    num_experts: int) -> None:
+    """The rules a placement keeps whatever devices it runs on (arrays already shaped [L, S],
+    [L, S] and [S]); raise ValueError naming the argument, the value and the fix."""
+    L, S = phy2log.shape
+    E = num_experts
+    if E < 1:
+        raise ValueError(f"num_experts must be >= 1, got {E}")
+    if S < E:
+        raise ValueError(f"phy2log has {S} slots for {E} experts (num_experts); every expert needs "
+                         f"a slot: pass num_experts <= {S} or more slots")
+    steps = np.diff(slot_device)
+    if S and (slot_device[0] != 0 or np.any(steps < 0) or np.any(steps > 1)):
+        raise ValueError(f"slot_device must number devices 0, 1, ... in non-decreasing slot order "
+                         f"(slots grouped by device), got {slot_device.tolist()[:16]}"
+                         f"{' ...' if S > 16 else ''}")
+    bad = (phy2log < 0) | (phy2log >= E)
+    if np.any(bad):
+        layer, slot = np.argwhere(bad)[0]
+        raise ValueError(f"phy2log[{layer}, {slot}] = {phy2log[layer, slot]} is not an expert in "
+                         f"[0, {E}); expert ids run from 0 to num_experts - 1")
+    bad = ~np.isfinite(share) | (share < 0)
+    if np.any(bad):
+        layer, slot = np.argwhere(bad)[0]
+        raise ValueError(f"share[{layer}, {slot}] = {share[layer, slot]} must be >= 0 (and finite)")
+    # All layers at once: offset each layer's expert ids by layer * E.
+    flat = np.repeat(np.arange(L, dtype=np.int64), S) * E + phy2log.reshape(-1)
+    replicas = np.bincount(flat, minlength=L * E)
+    missing = np.flatnonzero(replicas == 0)
+    if missing.size:
+        layer, e = divmod(int(missing[0]), E)
+        raise ValueError(f"expert {e} of layer {layer} has no replica in phy2log; every expert "
+                         f"needs at least one slot in every layer")
+    sums = np.bincount(flat, weights=share.reshape(-1), minlength=L * E)
+    bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
+    if bad.size:
+        layer, e = divmod(int(bad[0]), E)
+        raise ValueError(
+            f"share: the shares of expert {e} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1; "
+            f"each expert's shares over its replicas must sum to 1 (divide them by their sum)"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """Contents of every expert slot of every layer.
@@ -41,6 +84,12 @@ class Placement:
             one expert have shares >= 0 that sum to 1.
         slot_device: [S] int64, device of each slot, non-decreasing (slots grouped by device).
         num_experts: E, the number of logical experts per layer.
+
+    Construction checks everything that needs no topology and raises ValueError naming the
+    argument: shapes, expert ids in ``[0, E)``, at least one replica of every expert in every
+    layer, shares finite, >= 0 and summing to 1 (within 1e-9) over each expert's replicas, and
+    ``slot_device`` numbering devices 0, 1, ... in slot order. :meth:`validate` adds the rules
+    that concern devices. The arrays are read-only copies.
     """
 
     phy2log: np.ndarray
@@ -69,6 +118,7 @@ class Placement:
         except TypeError:
             raise TypeError(f"num_experts must be an integer, got {self.num_experts!r}") from None
         object.__setattr__(self, "num_experts", num_experts)
+        _check_contents(phy2log, share, slot_device, num_experts)
 
     # -- sizes and derived arrays -------------------------------------------------------------
 
@@ -125,48 +175,21 @@ class Placement:
     # -- checks ---------------------------------------------------------------------------------
 
     def validate(self, topology: Topology | None = None) -> "Placement":
-        """Raise ValueError naming the first broken invariant (DESIGN invariant 1); return self."""
-        L, S, E = self.num_layers, self.num_slots, self.num_experts
-        if E < 1:
-            raise ValueError(f"num_experts must be >= 1, got {E}")
-        if S < E:
-            raise ValueError(f"placement has {S} slots for {E} experts; every expert needs a slot")
-        if np.any(np.diff(self.slot_device) < 0) or (S and self.slot_device[0] != 0) or np.any(
-            np.diff(self.slot_device) > 1
-        ):
-            raise ValueError("slot_device must number devices 0, 1, ... in non-decreasing slot order")
+        """Check what construction could not; return self.
+
+        Construction already checked the contents: every expert has a replica in every layer, the
+        ids are in range, shares are finite, >= 0 and sum to 1 over each expert's replicas, and
+        slots are grouped by device. This adds that no device holds two replicas of one expert in
+        one layer (EPLB's output may, so it is a valid Placement but not a valid plan) and, given
+        ``topology``, that the slots are the topology's (same count, same device of every slot).
+        Raises ValueError naming the first broken rule.
+        """
         if topology is not None:
-            if topology.num_slots != S or not np.array_equal(topology.slot_device, self.slot_device):
-                raise ValueError(
-                    f"placement slots ({S}, devices {self.num_devices}) do not match the topology "
-                    f"({topology.num_slots} slots on {topology.num_devices} devices); plan for this "
-                    f"topology"
-                )
-        if np.any(self.phy2log < 0) or np.any(self.phy2log >= E):
-            layer, slot = np.argwhere((self.phy2log < 0) | (self.phy2log >= E))[0]
-            raise ValueError(
-                f"phy2log[{layer}, {slot}] = {self.phy2log[layer, slot]} is not an expert in [0, {E})"
-            )
-        rep = self.replicas
-        if np.any(rep == 0):
-            layer, e = np.argwhere(rep == 0)[0]
-            raise ValueError(f"expert {e} of layer {layer} has no replica")
-        if not np.all(np.isfinite(self.share)) or np.any(self.share < 0):
-            layer, slot = np.argwhere(~(self.share >= 0) | ~np.isfinite(self.share))[0]
-            raise ValueError(f"share[{layer}, {slot}] = {self.share[layer, slot]} must be >= 0")
-        # All layers at once: offset each layer's expert (and device-expert) ids.
+            self._check_slots_of(topology)
+        L, S, E, G = self.num_layers, self.num_slots, self.num_experts, self.num_devices
         layer_of = np.repeat(np.arange(L, dtype=np.int64), S)
-        flat = (layer_of * E + self.phy2log.reshape(-1))
-        sums = np.bincount(flat, weights=self.share.reshape(-1), minlength=L * E)
-        bad = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
-        if bad.size:
-            layer, e = divmod(int(bad[0]), E)
-            raise ValueError(
-                f"shares of expert {e} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1"
-            )
-        G = self.num_devices
-        key = np.sort(flat * G + np.tile(self.slot_device, L))  # (layer, expert, device)
-        twice = key[1:][key[1:] == key[:-1]]
+        key = np.sort((layer_of * E + self.phy2log.reshape(-1)) * G + np.tile(self.slot_device, L))
+        twice = key[1:][key[1:] == key[:-1]]  # (layer, expert, device) seen twice
         if twice.size:
             rest, g = divmod(int(twice[0]), G)
             layer, e = divmod(rest, E)
@@ -175,6 +198,17 @@ class Placement:
                 f"at most one replica of an expert"
             )
         return self
+
+    def _check_slots_of(self, topology: Topology) -> None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+        if (topology.num_slots != self.num_slots
+                or not np.array_equal(topology.slot_device, self.slot_device)):
+            raise ValueError(
+                f"placement slots ({self.num_slots}, devices {self.num_devices}) do not match the "
+                f"topology ({topology.num_slots} slots on {topology.num_devices} devices); plan "
+                f"for this topology"
+            )
 
     # -- migration ------------------------------------------------------------------------------
 
@@ -211,23 +245,51 @@ class Placement:
 
     # -- persistence ----------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` as a numpy ``.npz`` archive (the suffix is added if missing)."""
+    def save(self, path: str | os.PathLike, topology: Topology | None = None) -> None:
+        """Write to ``path`` as a numpy ``.npz`` archive (the suffix is added if missing).
+
+        Given the ``topology`` it was planned for (checked with :meth:`validate`), the file keeps
+        that too (its slots must be the placement's): :meth:`load_with_topology` returns it, and
+        ``moebalance inspect`` uses it.
+        """
+        extra = {}
+        if topology is not None:
+            self._check_slots_of(topology)
+            extra = {"topology_speed": topology.speed, "topology_slots": topology.slots,
+                     "topology_node": topology.node}
         np.savez(path, phy2log=self.phy2log, share=self.share, slot_device=self.slot_device,
                  num_experts=np.int64(self.num_experts),
-                 format=np.array(json.dumps({"kind": "moebalance.Placement", "version": 1})))
+                 format=np.array(json.dumps({"kind": "moebalance.Placement", "version": 1})),
+                 **extra)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Placement":
+        """The placement :meth:`save` wrote to ``path`` (the ``.npz`` suffix may be left off)."""
+        return cls.load_with_topology(path)[0]
+
+    @classmethod
+    def load_with_topology(cls, path: str | os.PathLike) -> "tuple[Placement, Topology | None]":
+        """The placement saved at ``path`` and the topology saved with it (None if none was)."""
         path = os.fspath(path)
         # save() appends .npz to a bare path; find the file under the name save() was given.
         if not os.path.exists(path) and os.path.exists(path + ".npz"):
             path += ".npz"
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path} holds one numpy array, not a saved moebalance Placement (the "
+                             f".npz archive Placement.save writes)")
+        with data:
             if "phy2log" not in data or "share" not in data:
                 raise ValueError(f"{path} is not a saved moebalance Placement")
-            return cls(phy2log=data["phy2log"], share=data["share"],
-                       slot_device=data["slot_device"], num_experts=int(data["num_experts"]))
+            placement = cls(phy2log=data["phy2log"], share=data["share"],
+                            slot_device=data["slot_device"], num_experts=int(data["num_experts"]))
+            topology = None
+            if "topology_speed" in data:
+                topology = Topology.from_arrays(data["topology_speed"], data["topology_slots"],
+                                                data["topology_node"])
+        if topology is not None:
+            placement._check_slots_of(topology)
+        return placement, topology
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Placement) and self.num_experts == other.num_experts
@@ -238,5 +300,12 @@ class Placement:
     __hash__ = None  # mutable-free but array-valued: compare, don't hash
 
     def __repr__(self) -> str:
+        rep = self.replicas
+        if self.num_layers == 0:
+            return (f"Placement(num_layers=0, num_slots={self.num_slots}, "
+                    f"num_devices={self.num_devices}, num_experts={self.num_experts})")
+        equal = np.allclose(self.share, 1.0 / np.take_along_axis(rep, self.phy2log, axis=1))
         return (f"Placement(num_layers={self.num_layers}, num_slots={self.num_slots}, "
-                f"num_devices={self.num_devices}, num_experts={self.num_experts})")
+                f"num_devices={self.num_devices}, num_experts={self.num_experts}, "
+                f"replicas per expert {int(rep.min())}..{int(rep.max())}, "
+                f"shares {'equal' if equal else 'weighted'})")

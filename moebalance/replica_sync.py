@@ -26,6 +26,7 @@ layer, G ranks.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -62,7 +63,6 @@ class HolderExchange:
         self.num_held = int(rep_slots.size)
         self.height = int(replicas.max()) if phy2log_S.size else 1  # H, the same on every rank
         self.rep_slots = torch.from_numpy(rep_slots)
-        position = {int(local[s]): i for i, s in enumerate(rep_slots.tolist())}
         own_index = np.empty(rep_slots.size, dtype=np.int64)
         peers: dict[int, tuple[list, list]] = {}                   # peer -> (my slots, contrib index)
         for i, s in enumerate(rep_slots.tolist()):
@@ -177,9 +177,15 @@ class GradientSync:
         for step in pending:
             step()
 
+    # The hooks hold the sync and their tensor by weak reference: a tensor whose hook refers back
+    # to it (or to a module owning it) makes a cycle that only the garbage collector frees, so the
+    # module and its process group would outlive the user's last reference, often until exit.
     def _slot_hook(self, param: torch.nn.Parameter, kind: int):
+        sync_ref, param_ref = weakref.ref(self), weakref.ref(param)
+
         def reduce_replicas(grad: torch.Tensor):
-            if not self.enabled:
+            self, param = sync_ref(), param_ref()
+            if self is None or param is None or not self.enabled:
                 return None
             exchange = self.exchange_for()
             scaled = grad if self.scale == 1.0 else grad * self.scale
@@ -204,9 +210,11 @@ class GradientSync:
 
     def _group_hook(self, param: torch.nn.Parameter):
         bucket = self._bucket_of[id(param)]
+        sync_ref, param_ref = weakref.ref(self), weakref.ref(param)
 
         def sum_over_group(grad: torch.Tensor):
-            if not self.enabled:
+            self, param = sync_ref(), param_ref()
+            if self is None or param is None or not self.enabled:
                 return None
             self._ready[bucket][id(param)] = grad.detach()
             if len(self._ready[bucket]) == len(self._buckets[bucket]):

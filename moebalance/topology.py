@@ -152,5 +152,22 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology(num_devices={self.num_devices}, num_slots={self.num_slots}, "
-                f"num_nodes={self.num_nodes}, speeds={sorted(set(self.speed.tolist()))}, "
-                f"slots={sorted(set(self.slots.tolist()))})")
+                f"num_nodes={self.num_nodes}, speed={_runs(self.speed)}, "
+                f"slots={_runs(self.slots)}, node={_runs(self.node)})")
+
+
+def _runs(values: np.ndarray) -> str:
+    """Per-device values in rank order, runs of equal values written ``value x count``, so the
+    text reads as a list of ``num_devices`` entries: ``[1.0 x 32, 0.5 x 32]``."""
+    items, start = [], 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end] != values[start]:
+            value, count = values[start].item(), end - start
+            items.append(f"{value} x {count}" if count > 1 else f"{value}")
+            start = end
+    if len(items) > _REPR_RUNS:  # keep a repr one readable line on large clusters
+        items = items[:_REPR_RUNS] + [f"... {len(items) - _REPR_RUNS} more runs"]
+    return "[" + ", ".join(items) + "]"
+
+
+_REPR_RUNS = 8

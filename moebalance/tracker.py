@@ -39,6 +39,8 @@ need a host sync per step; ``LoadTracker(..., check=True)`` does exactly that, f
 from __future__ import annotations
 
 import operator
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,6 +52,9 @@ from ._arrays import positive_int
 ROUTER_CHILD_NAMES = ("gate", "router")
 # Config fields that hold the number of routed experts, by model family.
 _CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Router module -> the tracker attach() hooked it for: a second tracker on the same router would
+# count every token twice over two trackers without a word. Weak both ways: it keeps neither alive.
+_TRACKER_OF_ROUTER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class LoadSnapshot:
@@ -141,6 +146,7 @@ class LoadTracker:
         #: Router module names, one per layer index, when built by :func:`attach`.
         self.layer_names: list[str] = []
         self._hooks: list = []
+        self._routers: list[weakref.ref] = []      # the hooked router of each layer
         self._steps = 0
         self.device: torch.device | None = None
         if device is not None:
@@ -366,6 +372,17 @@ class LoadTracker:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for router, owner in list(_TRACKER_OF_ROUTER.items()):
+            if owner() is self:
+                del _TRACKER_OF_ROUTER[router]
+
+    def layer_of(self, router: nn.Module) -> int | None:
+        """The layer index under which ``router`` records (names depend on the module that
+        :func:`attach` was given; identity does not), or None when it is not hooked here."""
+        for layer, ref in enumerate(self._routers):
+            if self.attached and ref() is router:
+                return layer
+        return None
 
     @property
     def attached(self) -> bool:
@@ -431,6 +448,24 @@ def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: 
     raise ValueError(f"cannot tell the number of experts of router {name}: give it a num_experts attribute")
 
 
+def attached_tracker(model: nn.Module) -> LoadTracker | None:
+    """The attached tracker that records every router of ``model``, or None when there is none.
+
+    Finds the tracker of :func:`moebalance.wrap` (or an earlier :func:`attach`) from any module
+    that contains the model, e.g. a LightningModule holding it. Raises ValueError when the
+    routers record into different trackers, or only some of them into one.
+    """
+    owners = set()
+    for _, router, _ in find_routers(model):
+        ref = _TRACKER_OF_ROUTER.get(router)
+        tracker = ref() if ref is not None else None
+        owners.add(tracker if tracker is not None and tracker.attached else None)
+    if len(owners) > 1:
+        raise ValueError(f"the routers of {type(model).__name__} record into {len(owners)} different "
+                         f"trackers (or some into none); detach() them and attach() one to the model")
+    return owners.pop() if owners else None
+
+
 def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int | None = None,
            ema: float | None = None) -> LoadTracker:
     """Hook every MoE router of ``model`` so that each forward records its chosen experts.
@@ -446,7 +481,8 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
         The tracker, with ``layer_names`` (router module name per layer index) and ``detach()``.
 
     Forward passes recomputed during backward (activation checkpointing) are not recorded a
-    second time. Raises ValueError when the model has no router.
+    second time. Raises ValueError when the model has no router, or when its routers already
+    record into another attached tracker (detach that one first).
     """
     routers = find_routers(model)
     if not routers:
@@ -477,7 +513,20 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
             )
         if tracker.attached:
             raise ValueError("tracker is already attached to a model; call tracker.detach() first")
+    for name, router, _ in routers:
+        owner = _TRACKER_OF_ROUTER.get(router)
+        other = owner() if owner is not None else None
+        if other is not None and other.attached:
+            raise ValueError(
+                f"router {name} of this model already records into a LoadTracker ({other!r}); a "
+                f"second one would count every token again. Use that tracker (attach() returned "
+                f"it; a Rebalancer takes it as tracker=), or call its detach() before attaching "
+                f"another"
+            )
+    for _, router, _ in routers:
+        _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
     tracker.layer_names = [name for name, _, _ in routers]
+    tracker._routers = [weakref.ref(router) for _, router, _ in routers]
     tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
                       for layer, (name, router, _) in enumerate(routers)]
     return tracker

@@ -6,7 +6,9 @@ above them; :mod:`moebalance.backends`, which they import, only reports whether 
 
 from __future__ import annotations
 
+import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,36 +18,64 @@ from .nn import DenseMoE, ExpertParallelMoE
 from .planner import plan, rebalance_experts
 from .topology import Topology
 
-__all__ = ["warm_up"]
+__all__ = ["warm_up", "jit_counts"]
 
 
-def warm_up() -> dict[str, float]:
+def jit_counts() -> tuple[int, int]:
+    """``(loaded, compiled)``: Numba kernels this process has so far loaded from Numba's on-disk
+    cache, and compiled afresh (one per kernel and signature), over the planner and dispatch
+    kernels; ``(0, 0)`` without Numba. Take it before and after a call to see what it did."""
+    if not has_numba():
+        return 0, 0
+    from numba.core.registry import CPUDispatcher
+
+    from .planner import _jit
+
+    kernels = list(vars(_jit.compiled()).values())
+    dispatch = sys.modules.get("moebalance.dispatch.numba_kernels")  # only once something used it
+    if dispatch is not None:
+        kernels += [k for k in vars(dispatch).values() if isinstance(k, CPUDispatcher)]
+    loaded = compiled = 0
+    for k in kernels:
+        loaded += sum(k.stats.cache_hits.values())
+        compiled += sum(k.stats.cache_misses.values())
+    return loaded, compiled
+
+
+def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
     """Compile every Numba kernel now (or load it from Numba's on-disk cache), so the first
     plan() or forward pass of a job does not pay for it. Returns seconds spent per part.
 
-    Set-up calls this once; a job may call it at start-up, off the training step.
+    ``progress``, if given, is called with each part's name ("planner", "rebalance_experts",
+    "dispatch") as it starts: a cold compile takes tens of seconds per part. Set-up calls this
+    once; a job may call it at start-up, off the training step.
     """
     spent: dict[str, float] = {}
     if not has_numba():
         return spent
-    start = time.perf_counter()
     # Unlike devices take both packing attempts; a previous placement takes the repair path.
     topo = Topology.from_arrays([1.0, 0.5, 2.0], [3, 4, 2], [0, 0, 1])
     w = np.linspace(1.0, 40.0, 2 * 7).reshape(2, 7)
-    previous = plan(w, topo, backend="numba")
-    plan(w[:, ::-1].copy(), topo, previous=previous, max_moves=3, backend="numba")
-    spent["planner"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical
-    rebalance_experts(w[:, :6].copy(), 12, 1, 1, 4)   # global
-    spent["rebalance_experts"] = time.perf_counter() - start
+    def planner() -> None:
+        previous = plan(w, topo, backend="numba")
+        plan(w[:, ::-1].copy(), topo, previous=previous, max_moves=3, backend="numba")
 
-    start = time.perf_counter()
-    placement = plan(w[:1, :4].copy(), Topology.uniform(1, 4), backend="numba")
-    for dtype in (torch.float32, torch.float64):
-        moe = ExpertParallelMoE.from_dense(DenseMoE(8, 16, 4, 2).to(dtype), placement)
-        x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
-        moe(x).sum().backward()
-    spent["dispatch"] = time.perf_counter() - start
+    def drop_in() -> None:
+        rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical
+        rebalance_experts(w[:, :6].copy(), 12, 1, 1, 4)   # global
+
+    def dispatch() -> None:
+        placement = plan(w[:1, :4].copy(), Topology.uniform(1, 4), backend="numba")
+        for dtype in (torch.float32, torch.float64):
+            moe = ExpertParallelMoE.from_dense(DenseMoE(8, 16, 4, 2).to(dtype), placement)
+            x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+            moe(x).sum().backward()
+
+    for name, part in (("planner", planner), ("rebalance_experts", drop_in), ("dispatch", dispatch)):
+        if progress is not None:
+            progress(name)
+        start = time.perf_counter()
+        part()
+        spent[name] = time.perf_counter() - start
     return spent

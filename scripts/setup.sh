@@ -1,17 +1,62 @@
 #!/usr/bin/env bash
 # Set up .venv for moebalance: it sees a torch the user already has (system site packages);
 # only where no torch is importable does it install the pinned CPU build (an unpinned torch
-# would pull a multi-GB CUDA build). Then installs the package, editable, with the given extras.
+# would pull a multi-GB CUDA build). Then installs the package, editable, with the given extras,
+# and compiles the Numba kernels once. Every step says what it does and how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 EXTRAS=${1:-test}
+START=$(date +%s)
+STEP_START=$START
+
+step() {  # step N TEXT: announce a step
+    STEP_START=$(date +%s)
+    echo "== setup [$1/4] $2"
+}
+
+done_step() {  # done_step TEXT: close the step with its time
+    echo "== setup: $1 ($(( $(date +%s) - STEP_START )) s)"
+}
+
+step 1 "virtual environment .venv (sees the packages of $("$PYTHON" -c 'import sys; print(sys.executable)'))"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv --system-site-packages .venv
+    done_step "created .venv"
+else
+    done_step ".venv already there, reused"
 fi
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-    .venv/bin/python -m pip install --quiet "torch==2.13.0"
+
+step 2 "torch"
+if TORCH=$(.venv/bin/python -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    done_step "found torch $TORCH; left as it is"
+else
+    echo "   no torch importable: installing the CPU build torch==2.13.0 (a 190 MB wheel, 750 MB" \
+         "installed)"
+    .venv/bin/python -m pip install --progress-bar on "torch==2.13.0"
+    done_step "installed torch 2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".[${EXTRAS}]"
-# Compile the Numba kernels once now (cached on disk), not in the first benchmark or job.
-.venv/bin/python -c "import moebalance; moebalance.warm_up()"
+
+step 3 "moebalance, editable, with extras [${EXTRAS}] (pip lists what it finds and installs)"
+.venv/bin/python -m pip install --progress-bar on -e ".[${EXTRAS}]"
+done_step "installed moebalance"
+
+step 4 "Numba kernels: compile once now (kept in Numba's on-disk cache), not in the first benchmark"
+.venv/bin/python - <<'PY'
+import time
+
+import moebalance
+from moebalance.warmup import jit_counts
+
+start = time.perf_counter()
+spent = moebalance.warm_up(progress=lambda part: print(f"   {part} kernels ...", flush=True))
+loaded, compiled = jit_counts()
+if not spent:
+    print("   numba is not installed: the planner and dispatch run their numpy/torch references")
+elif compiled:
+    print(f"   compiled the kernels ({', '.join(f'{k} {v:.0f} s' for k, v in spent.items())})")
+else:
+    print(f"   all kernels were in Numba's cache already: loaded in {time.perf_counter() - start:.1f} s")
+PY
+done_step "kernels ready"
+echo "== setup: finished in $(( $(date +%s) - START )) s"

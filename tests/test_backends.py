@@ -194,9 +194,11 @@ def test_restoring_an_unknown_part_raises_value_error():
 def test_warm_up_compiles_every_part():
     import moebalance as mb
 
-    spent = mb.warm_up()
+    started = []
+    spent = mb.warm_up(progress=started.append)
     if mb.backends()["numba"]:
         assert set(spent) == {"planner", "rebalance_experts", "dispatch"}
+        assert started == list(spent)  # each part announced as it starts, in order
         assert all(seconds >= 0 for seconds in spent.values())
     else:
         assert spent == {}

@@ -112,12 +112,61 @@ def test_bench_quick_prints_the_table_and_one_thread(quick_bench):
     assert "scenario" in stdout and "plan ms" in stdout and "homogeneous-320" in stdout
 
 
-def test_bench_is_the_default_command(monkeypatch, capsys):
+def test_options_without_a_command_go_to_bench(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.append(args) or 0)
     assert run_cli(["--quick", "--out", "somewhere"], capsys)[0] == 0
     assert seen[0].quick and seen[0].out == "somewhere"
-    assert run_cli([], capsys)[0] == 0 and not seen[1].quick
+
+
+def test_bare_command_prints_help_and_starts_nothing(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: pytest.fail("bare moebalance ran bench"))
+    rc, out, _ = run_cli([], capsys)
+    assert rc == 0 and "usage: moebalance" in out and "bench" in out and "plan" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_prints_and_writes_a_legend_of_its_names(quick_bench):
+    out, stdout = quick_bench
+    summary = (out / "summary.md").read_text()
+    for name in ("homogeneous-320", "uneven-288", "moebalance (fresh)", "eplb-style",
+                 "eplb (hierarchical)", "duplicates", "drift P% xN"):
+        assert f"  {name}: " in stdout, name
+        assert f"- **{name}**: " in summary, name
+    assert "plot.png: Side by side" in summary
+
+
+def test_legend_names_only_what_the_rows_hold():
+    rows = [bench.Row(workload="synthetic", scenario="heterogeneous", kind="static", skew="heavy",
+                      method=m, imbalance=1.0, worst_layer_imbalance=1.0, balancedness=1.0,
+                      moves=0, moves_pct=0, plan_ms=1.0, plan_ms_samples=[1.0], num_layers=1,
+                      num_slots=1, num_devices=1) for m in ("moebalance", "eplb-style")]
+    names = [name for name, _ in report.legend_entries(rows)]
+    assert names == ["heterogeneous", "moebalance", "eplb-style"]
+    assert "duplicates" not in report.legend_text(rows)
+
+
+def test_plot_caption_is_drawn_under_the_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    report.add_caption(fig, report.PLANNER_PLOT_CAPTION, width=80)
+    assert [t.get_text().replace("\n", " ") for t in fig.texts] == [report.PLANNER_PLOT_CAPTION]
+    caption_top = fig.texts[0].get_window_extent(fig.canvas.get_renderer()).y1
+    assert ax.get_window_extent().y0 > caption_top  # the axes sit above the caption
+    plt.close(fig)
+
+
+def test_bench_refuses_an_unwritable_out_before_any_work(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(bench, "_synthetic_plan", lambda args: pytest.fail("work started"))
+    rc, _, err = run_cli(["bench", "--quick", "--out", str(blocker / "out")], capsys)
+    assert rc == 2 and "--out" in err and "choose a folder" in err and "Traceback" not in err
 
 
 def test_bench_dispatch_hands_the_rest_of_the_line_to_the_dispatch_benchmark(monkeypatch, capsys):
@@ -190,7 +239,77 @@ def test_plan_with_previous_reports_moves_and_keeps_the_budget(loads_file, tmp_p
                                "--max-moves", "3", "--out", str(second)], capsys)
     assert rc == 0, err
     moved = Placement.load(second).moves_from(Placement.load(first))
-    assert moved <= 3 and f"moves: {moved} expert copies" in stdout
+    assert moved <= 3 and f"moves: {moved} expert cop" in stdout
+
+
+def test_plan_grammar_of_one_layer(tmp_path, capsys):
+    np.save(tmp_path / "one.npy", np.arange(1.0, 5.0)[None])
+    rc, stdout, err = run_cli(["plan", str(tmp_path / "one.npy"), "--devices", "1", "--slots", "4",
+                               "--out", str(tmp_path / "p.npz")], capsys)
+    assert rc == 0, err
+    assert "planned 1 layer x 4 experts onto 4 slots on 1 device in" in stdout
+
+
+def test_plan_says_it_loaded_numba_kernels_from_the_cache(loads_file, tmp_path):
+    pytest.importorskip("numba")
+    path, _ = loads_file
+    env = {**__import__("os").environ, "MOEBALANCE_PLANNER": "numba"}
+    lines = []
+    for _ in range(2):  # the first run fills Numba's cache if nothing did before
+        proc = subprocess.run([sys.executable, "-m", "moebalance", "plan", str(path), "--devices",
+                               "4", "--slots", "5", "--out", str(tmp_path / "p.npz")],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines.append(proc.stdout.splitlines()[0])
+    assert "the first call took" in lines[1]
+    assert "loading the planner's compiled kernels from Numba's on-disk cache" in lines[1]
+    assert "includes compilation" not in " ".join(lines)
+
+
+def test_first_call_note_tells_compiling_from_loading():
+    assert "compiling the planner's Numba kernels" in cli._first_call_note(12.0, 0, 40)
+    assert "from Numba's on-disk cache" in cli._first_call_note(0.7, 15, 0)
+
+
+def test_plan_saves_the_topology_and_inspect_uses_it(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    topo = {"speed": [1.0, 0.5, 1.0], "slots": [6, 6, 6], "node": [0, 0, 1]}
+    (tmp_path / "topo.json").write_text(json.dumps(topo))
+    out = tmp_path / "p.npz"
+    assert run_cli(["plan", str(path), "--topology", str(tmp_path / "topo.json"), "--out",
+                    str(out)], capsys)[0] == 0
+    placement, saved = Placement.load_with_topology(out)
+    assert saved == Topology.from_dict(topo)
+    rc, stdout, err = run_cli(["inspect", str(out), "--loads", str(path)], capsys)
+    assert rc == 0, err
+    assert "topology (saved with the placement)" in stdout and "equally fast" not in stdout
+    assert f"imbalance {summary_imbalance(w, placement, saved):.4f}" in stdout
+
+
+def test_inspect_layout_prints_each_devices_experts_and_shares(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    out = tmp_path / "p.npz"
+    assert run_cli(["plan", str(path), "--devices", "4", "--slots", "5", "--out", str(out)],
+                   capsys)[0] == 0
+    p = Placement.load(out)
+    rc, stdout, err = run_cli(["inspect", str(out), "--layout"], capsys)
+    assert rc == 0, err
+    assert [line for line in stdout.splitlines() if line.startswith("layer ")] == [
+        f"layer {layer}: experts of each device, with each replica's share of its expert's tokens"
+        for layer in range(3)]
+    rc, stdout, err = run_cli(["inspect", str(out), "--layer", "2", "--loads", str(path)], capsys)
+    assert rc == 0, err
+    table = stdout[stdout.index("layer 2:"):].splitlines()[1:]
+    assert table[0].split()[:4] == ["device", "speed", "node", "load/speed"]
+    times = p.device_loads(w)[2] / (w[2].sum() / 4)
+    for g, line in enumerate(table[2:]):
+        slots = np.flatnonzero(p.slot_device == g)
+        expected = "  ".join(f"{p.phy2log[2, s]} ({p.share[2, s]:.2f})" for s in slots)
+        assert line.split()[0] == str(g) and line.endswith(expected)
+        assert f"{times[g]:.3f}" in line
+    assert "layer 0:" not in stdout
+    rc, _, err = run_cli(["inspect", str(out), "--layer", "3"], capsys)
+    assert rc == 2 and "--layer 3" in err and "3 layers" in err
 
 
 def test_plan_reads_npz_pt_and_a_topology_file(tmp_path, capsys):
@@ -240,13 +359,22 @@ def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, 
     (["plan", "{loads}", "--cluster", "no-such"], "--cluster"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--speed", "-1"], "--speed"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "-3"], "--max-moves"),
-    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "3"], "max_moves"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "3"], "--previous FILE"),
     (["plan", "{loads}", "--devices", "2", "--slots", "5"], "slots"),
     (["plan", "{loads}", "--topology", "{missing}.json"], "--topology"),
     (["plan", "{missing}.npy", "--devices", "4", "--slots", "5"], "LOADS"),
     (["plan", "{dir}/loads.csv", "--devices", "4", "--slots", "5"], "LOADS"),
     (["plan", "{nan}", "--devices", "4", "--slots", "5"], "finite"),
-    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--previous", "{loads}"], "--previous"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--previous", "{loads}"],
+     "--previous: '{loads}' holds a numpy array (.npy), not a saved moebalance placement"),
+    (["plan", "{text}", "--devices", "4", "--slots", "5"], "is named .npy but holds text; write it"),
+    (["plan", "{npz_as_npy}", "--devices", "4", "--slots", "5"], "holds a zip archive"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--out", "{dir}/no-such/p.npz"],
+     "--out: the folder"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--out", "{dir}"], "--out: "),
+    (["inspect", "{text}"], "PLACEMENT: '{text}' holds text"),
+    (["plan", "{loads}", "--devices", "5", "--slots", "5", "--previous", "{placement}"],
+     "leave --previous out for a first placement"),
     (["inspect", "{missing}.npz"], "PLACEMENT"),
     (["inspect", "{loads}"], "PLACEMENT"),
     (["bench", "--repeats", "0"], "--repeats"),
@@ -260,11 +388,21 @@ def test_bad_input_exits_2_with_one_line_naming_the_argument(argv, named, loads_
     bad = w.copy()
     bad[1, 2] = np.nan
     np.save(tmp_path / "nan.npy", bad)
+    (tmp_path / "text.npy").write_text("1,2,3\n4,5,6\n")
+    assert cli.main(["plan", str(path), "--devices", "4", "--slots", "5", "--out",
+                     str(tmp_path / "placement.npz")]) == 0
+    capsys.readouterr()
+    np.savez(tmp_path / "archive.npz", loads=w)
+    (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
     names = {"loads": str(path), "missing": str(tmp_path / "missing"), "dir": str(tmp_path),
-             "nan": str(tmp_path / "nan.npy")}
+             "nan": str(tmp_path / "nan.npy"), "text": str(tmp_path / "text.npy"),
+             "npz_as_npy": str(tmp_path / "archive.npy"),
+             "placement": str(tmp_path / "placement.npz")}
     rc, _, err = run_cli([a.format(**names) for a in argv], capsys)
     assert rc == 2
-    assert named in err and "Traceback" not in err
+    assert named.format(**names) in err and "Traceback" not in err
+    for leak in ("allow_pickle", "context manager", "pass previous", "previous=", "max_moves"):
+        assert leak not in err, leak
     assert len(err.strip().splitlines()) == 1, err
 
 

@@ -1,4 +1,5 @@
-"""The runnable examples run, end to end (each in its own process, as a user would run it)."""
+"""The runnable examples run, end to end (each in its own process, as a user would run it):
+spawning their ranks themselves, and as one process per rank under torchrun."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def test_expert_parallel_example_trains_tracks_and_replans():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "imbalance before" in proc.stdout and "moves" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_expert_parallel_example_runs_under_torchrun():
+    # ``python -m torch.distributed.run`` is the torchrun console script, without needing it on PATH.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "4", str(EXAMPLES / "expert_parallel_gloo.py"),
+                           "--steps", "3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Only rank 0 prints the summary: one process per rank, not four spawning their own.
+    assert proc.stdout.count("imbalance before") == 1 and "device 3 (speed 0.5)" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(EXAMPLES / "expert_parallel_gloo.py"),
+                           "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--nproc-per-node 4" in proc.stderr
 
 
 def test_train_rebalance_example_migrates_and_plots(tmp_path):

@@ -469,7 +469,6 @@ def shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there():
     from moebalance.elastic import replan_onto
 
     dtype = torch.float64
-    four = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS)
     three = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5], slots=[4, 4, 4])
     model, optimizer = _trained(dtype)
     box = [tempfile.mkdtemp(prefix="moebalance-shrink-") if dist.get_rank() == 0 else None]

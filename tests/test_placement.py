@@ -149,8 +149,6 @@ def test_validate_accepts_zero_shares_and_rounding_within_tolerance():
      r"expert 2 of layer 0 has no replica"),
     (dict(phy2log=[[0, 1, 2, 0, 3]]), r"phy2log\[0, 4\] = 3 is not an expert in \[0, 3\)"),
     (dict(phy2log=[[0, 1, 2, 0, -1]]), r"phy2log\[0, 4\] = -1 is not an expert"),
-    (dict(phy2log=[[0, 0, 2, 1, 1]], share=[[0.5, 0.5, 1.0, 0.5, 0.5]]),
-     r"device 0 holds expert 0 twice in layer 0"),
     (dict(share=[[0.5, 0.25, 1.0, 0.5, 0.5]]), r"shares of expert 1 in layer 0 sum to .*0\.75.*, not 1"),
     (dict(share=[[0.5, 0.25, 1.0, 0.5, 0.75 + 1e-6]]), r"shares of expert 1 in layer 0 sum to"),
     (dict(share=[[0.5, 0.25, 0.0, 0.5, 0.75]]), r"shares of expert 2 in layer 0 sum to .*0\.0"),
@@ -163,23 +161,32 @@ def test_validate_accepts_zero_shares_and_rounding_within_tolerance():
     (dict(slot_device=[1, 1, 2, 2, 3]), r"slot_device must number devices"),
     (dict(slot_device=[0, 0, 2, 2, 3]), r"slot_device must number devices"),
 ])
-def test_validate_rejects_each_broken_invariant_naming_it(changes, message):
-    p = example(**changes)
+def test_constructor_rejects_each_broken_content_rule_naming_it(changes, message):
     with pytest.raises(ValueError, match=message):
-        p.validate()
-    with pytest.raises(ValueError, match=message):
-        p.validate(TOPO)
+        example(**changes)
+
+
+def test_doubled_shares_are_refused_at_construction_with_the_fix():
+    p = example()
+    with pytest.raises(ValueError, match=r"share: .* sum to 2\.0, not 1; .*divide them by their sum"):
+        Placement(p.phy2log, p.share * 2, p.slot_device, p.num_experts)
+
+
+def test_validate_rejects_two_replicas_of_an_expert_on_one_device():
+    p = example(phy2log=[[0, 0, 2, 1, 1]], share=[[0.5, 0.5, 1.0, 0.5, 0.5]])  # a valid Placement
+    for topology in (None, TOPO):
+        with pytest.raises(ValueError, match=r"device 0 holds expert 0 twice in layer 0"):
+            p.validate(topology)
 
 
 def test_share_sum_message_prints_a_plain_number():
     with pytest.raises(ValueError, match=r"sum to 0\.75, not 1"):
-        example(share=[[0.5, 0.25, 1.0, 0.5, 0.5]]).validate()
+        example(share=[[0.5, 0.25, 1.0, 0.5, 0.5]])
 
 
-def test_validate_names_the_broken_layer():
-    p = example(phy2log=PHY2LOG * 2, share=[SHARE[0], [0.5, 0.25, 1.0, 0.5, 0.7]])
+def test_constructor_names_the_broken_layer():
     with pytest.raises(ValueError, match=r"expert 1 in layer 1"):
-        p.validate()
+        example(phy2log=PHY2LOG * 2, share=[SHARE[0], [0.5, 0.25, 1.0, 0.5, 0.7]])
 
 
 @pytest.mark.parametrize("topology", [
@@ -193,19 +200,18 @@ def test_validate_rejects_a_placement_for_another_topology(topology):
 
 
 @given(placement_cases(), st.data())
-def test_validate_rejects_a_random_placement_with_one_share_perturbed(case, data):
+def test_constructor_rejects_a_random_placement_with_one_share_perturbed(case, data):
     p = case.placement
     layer = data.draw(st.integers(0, p.num_layers - 1))
     slot = data.draw(st.integers(0, p.num_slots - 1))
     share = p.share.copy()
     share[layer, slot] += data.draw(st.sampled_from([-2.0, 1e-6, 0.5]))
-    broken = Placement(p.phy2log, share, p.slot_device, p.num_experts)
     with pytest.raises(ValueError, match=r"share"):
-        broken.validate(case.topology)
+        Placement(p.phy2log, share, p.slot_device, p.num_experts)
 
 
 @given(placement_cases(), st.data())
-def test_validate_rejects_a_random_placement_missing_an_expert(case, data):
+def test_constructor_rejects_a_random_placement_missing_an_expert(case, data):
     p = case.placement
     assume(p.num_experts >= 2)
     layer = data.draw(st.integers(0, p.num_layers - 1))
@@ -214,9 +220,8 @@ def test_validate_rejects_a_random_placement_missing_an_expert(case, data):
     # Hand every replica of ``gone`` to ``other``: ids stay in range, ``gone`` has no slot left.
     phy2log = p.phy2log.copy()
     phy2log[layer][phy2log[layer] == gone] = other
-    broken = Placement(phy2log, p.share, p.slot_device, p.num_experts)
     with pytest.raises(ValueError, match=rf"expert {gone} of layer {layer} has no replica"):
-        broken.validate(case.topology)
+        Placement(phy2log, p.share, p.slot_device, p.num_experts)
 
 
 # -- replicas and log2phy ----------------------------------------------------------------------------
@@ -364,7 +369,7 @@ def test_moves_from_leaves_both_placements_unchanged():
 @pytest.mark.parametrize("previous", [
     example(phy2log=PHY2LOG * 2, share=SHARE * 2),  # more layers
     Placement([[0, 1, 2, 0]], [[0.5, 1.0, 1.0, 0.5]], [0, 0, 1, 1], 3),  # fewer slots
-    Placement([[0, 1, 2, 0, 1]], [[1.0] * 5], [0, 1, 1, 2, 2], 3),  # same S, other devices
+    Placement([[0, 1, 2, 0, 1]], [SHARE[0]], [0, 1, 1, 2, 2], 3),  # same S, other devices
     example(phy2log=[[0, 1, 2, 3, 1]], share=[[1.0, 0.25, 1.0, 1.0, 0.75]], num_experts=4),
 ])
 def test_moves_from_a_placement_of_another_shape_raises(previous):
@@ -418,6 +423,24 @@ def test_save_load_round_trip_of_random_placements_is_exact(case):
     assert loaded.moves_from(case.placement) == 0
 
 
+def test_a_placement_saved_with_its_topology_loads_with_it(tmp_path):
+    example().save(tmp_path / "p.npz", topology=TOPO)
+    placement, topology = Placement.load_with_topology(tmp_path / "p.npz")
+    assert placement == example() and topology == TOPO
+    assert Placement.load(tmp_path / "p.npz") == example()  # load() still returns the placement
+
+
+def test_a_placement_saved_without_a_topology_loads_with_none(tmp_path):
+    example().save(tmp_path / "p.npz")
+    assert Placement.load_with_topology(tmp_path / "p")[1] is None
+
+
+def test_save_refuses_a_topology_with_other_slots(tmp_path):
+    with pytest.raises(ValueError, match=r"do not match the topology"):
+        example().save(tmp_path / "p.npz", topology=Topology.uniform(3, 2))
+    assert not (tmp_path / "p.npz").exists()
+
+
 def test_load_rejects_an_archive_that_is_not_a_placement(tmp_path):
     np.savez(tmp_path / "other.npz", weights=np.zeros(3))
     with pytest.raises(ValueError, match=r"not a saved moebalance Placement"):
@@ -430,9 +453,9 @@ def test_equality_compares_every_array_and_num_experts():
     p = example()
     assert p == example()
     assert p != example(share=[[0.5, 0.75, 1.0, 0.5, 0.25]])
-    assert p != example(phy2log=[[0, 2, 1, 0, 1]])
+    assert p != example(phy2log=[[0, 2, 1, 0, 1]], share=[[0.5, 1.0, 0.25, 0.5, 0.75]])
     assert p != example(slot_device=[0, 0, 1, 1, 1])
-    assert p != example(num_experts=4)
+    assert p != example(phy2log=[[0, 1, 2, 0, 3]], share=[[0.5, 1.0, 1.0, 0.5, 1.0]], num_experts=4)
     assert p != PHY2LOG
 
 
@@ -441,6 +464,8 @@ def test_placements_are_unhashable():
         hash(example())
 
 
-def test_repr_names_the_sizes():
+def test_repr_names_the_sizes_replicas_and_shares():
     text = repr(example())
     assert "num_layers=1" in text and "num_slots=5" in text and "num_experts=3" in text
+    assert "replicas per expert 1..2" in text and "shares weighted" in text
+    assert "shares equal" in repr(example(share=[[0.5, 0.5, 1.0, 0.5, 0.5]]))

@@ -252,3 +252,11 @@ def test_is_homogeneous_needs_equal_speeds_and_slots():
 def test_repr_names_the_sizes():
     text = repr(Topology.from_arrays([1.0, 0.5], [2, 3], [0, 1]))
     assert "num_devices=2" in text and "num_slots=5" in text and "num_nodes=2" in text
+
+
+def test_repr_lists_one_value_per_device_in_runs():
+    text = repr(Topology.from_arrays([1.0, 1.0, 0.5, 0.5, 0.5], [3, 3, 4, 4, 2], [0, 0, 1, 1, 1]))
+    assert "speed=[1.0 x 2, 0.5 x 3]" in text and "slots=[3 x 2, 4 x 2, 2]" in text
+    assert "node=[0 x 2, 1 x 3]" in text
+    many = repr(Topology.from_arrays([1.0, 0.5] * 10, [2] * 20))
+    assert "speed=[1.0, 0.5," in many and "... 12 more runs]" in many

@@ -506,6 +506,37 @@ def test_attach_rejects_mismatched_or_attached_tracker():
     assert len(find_routers(model)) == 2
 
 
+def test_a_second_tracker_on_the_same_model_is_refused_until_the_first_detaches():
+    model = nn.Sequential(ToyMoE(), ToyMoE())
+    first = mb.attach(model)
+    with pytest.raises(ValueError, match=r"already records into a LoadTracker.*detach\(\)"):
+        mb.attach(model)
+    with pytest.raises(ValueError, match=r"already records"):
+        mb.attach(model[1])  # one layer of it counts too
+    first.detach()
+    second = mb.attach(model)
+    model(torch.randn(5, 16))
+    second.step()
+    assert second.snapshot().sum() == 5 * 2 * 2  # 5 tokens, top-2, two layers: counted once
+    assert first.snapshot().sum() == 0
+
+
+def test_attached_tracker_is_found_from_any_module_holding_the_model():
+    from moebalance.tracker import attached_tracker
+
+    model = nn.Sequential(ToyMoE(), ToyMoE())
+    assert attached_tracker(model) is None
+    tracker = mb.attach(model)
+    holder = nn.ModuleDict({"model": model})          # e.g. a LightningModule around it
+    assert attached_tracker(holder) is tracker
+    assert [tracker.layer_of(m.router) for m in model] == [0, 1]
+    tracker.detach()
+    assert attached_tracker(holder) is None
+    mb.attach(model[0])
+    with pytest.raises(ValueError, match="different trackers"):
+        attached_tracker(model)                       # one layer tracked, the other not
+
+
 def test_router_returning_something_else_raises_at_forward():
     class Block(nn.Module):
         def __init__(self):

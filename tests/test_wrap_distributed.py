@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

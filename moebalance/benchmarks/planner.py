@@ -44,7 +44,8 @@ import numpy as np
 
 from .. import workloads
 from ..backends import backend, has_numba
-from ..cli_args import ArgumentParser, UsageError, nonneg_int_arg, positive_int_arg, run_guarded
+from ..cli_args import (ArgumentParser, UsageError, nonneg_int_arg, positive_int_arg, run_guarded,
+                        writable_dir)
 from ..metrics import balancedness, imbalance, summary_imbalance
 from ..placement import Placement
 from ..planner import plan, rebalance_experts
@@ -52,7 +53,8 @@ from ..topology import Topology
 from . import eplb_baseline as eplb
 from .migration import FRONTIER_COLUMNS, frontier_cells, plot_frontier, run_frontier
 from .per_step import optimal_share_figures, per_step_figures
-from .report import format_markdown, format_text, machine_info
+from .report import (PLANNER_PLOT_CAPTION, add_caption, format_markdown, format_text,
+                     legend_markdown, legend_text, machine_info)
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")
@@ -410,8 +412,8 @@ def plot(cases: Sequence[StaticCase], baseline_of: dict[str, str], path: Path) -
         x = np.arange(topo.num_devices)
         before = base.device_loads(w)[layer] / topo.speed / ideal
         after = ours.device_loads(w)[layer] / topo.speed / ideal
-        ax.bar(x - 0.2, before, width=0.4, color="#c9a27e", label=f"before: {base_name}")
-        ax.bar(x + 0.2, after, width=0.4, color="#2f6f9f", label="after: moebalance")
+        ax.bar(x - 0.2, before, width=0.4, color="#c9a27e", label=base_name)
+        ax.bar(x + 0.2, after, width=0.4, color="#2f6f9f", label="moebalance")
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ideal")
         slow = topo.speed < topo.speed.max()
         if slow.any():
@@ -422,9 +424,9 @@ def plot(cases: Sequence[StaticCase], baseline_of: dict[str, str], path: Path) -
         ax.set_xlabel("device")
         ax.set_ylabel("load / speed (1 = ideal)")
         ax.set_title(f"{case.cluster}, {case.skew} skew, layer {layer} (median baseline "
-                     f"imbalance): max {before.max():.2f} before, {after.max():.2f} after")
+                     f"imbalance): max {before.max():.2f} {base_name}, {after.max():.2f} moebalance")
         ax.legend(loc="upper right", fontsize=8, ncol=4)
-    fig.tight_layout()
+    add_caption(fig, PLANNER_PLOT_CAPTION)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -549,8 +551,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     args.repeats = args.repeats or preset["repeats"]
     args.layers = args.layers or preset["num_layers"]
     args.drift_steps = args.drift_steps or preset["drift_steps"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(args.out, "--out")
     argv = list(sys.argv if argv is None else argv)
     if argv and Path(argv[0]).name == "__main__.py":
         argv = ["python", "-m", "moebalance", *argv[1:]]
@@ -612,6 +613,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     print()
     print(table)
     print(textwrap.fill(LEGEND, width=100, break_on_hyphens=False))
+    print(legend_text(rows, dropins))
     if dropins:
         print("\nEPLB drop-in: moebalance.rebalance_experts vs DeepSeek EPLB, same arguments")
         print(format_text(DROPIN_COLUMNS, dropin_cells(dropins)))
@@ -655,7 +657,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
           + ", ".join(f"{k} (Zipf s={v.zipf_exponent})" for k, v in workloads.SKEWS.items()),
           f"- plan ms: median of {args.repeats} warm calls, one thread; drift rows: mean over "
           f"{args.drift_steps} re-plans (moves per re-plan), median time", "",
-          format_markdown(COLUMNS, table_cells(rows)), "", LEGEND, ""]
+          format_markdown(COLUMNS, table_cells(rows)), "", LEGEND, "", legend_markdown(rows, dropins),
+          "", *([f"plot.png: {PLANNER_PLOT_CAPTION}", ""] if shown else [])]
     if dropins:
         md += ["## EPLB drop-in", "", "moebalance.rebalance_experts vs DeepSeek EPLB, same arguments.",
                "", format_markdown(DROPIN_COLUMNS, dropin_cells(dropins)), ""]

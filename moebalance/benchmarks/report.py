@@ -1,5 +1,6 @@
-"""What every benchmark report shares: plain-text and markdown tables, and the record of the
-machine, versions and command line that produced the figures."""
+"""What every benchmark report shares: plain-text and markdown tables, the legend of the names
+that appear in them, figure captions, and the record of the machine, versions and command line
+that produced the figures."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import importlib.metadata
 import os
 import platform
 import shlex
-from typing import Sequence
+import textwrap
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, workloads
 from ..backends import backends
 
-__all__ = ["format_text", "format_markdown", "machine_info"]
+__all__ = ["format_text", "format_markdown", "machine_info", "legend_entries", "legend_text",
+           "legend_markdown", "PLANNER_PLOT_CAPTION", "add_caption"]
 
 
 def _is_number(text: str) -> bool:
@@ -82,3 +85,105 @@ def markdown_header(title: str, info: dict) -> list[str]:
     return [f"# {title}", "", f"- machine: {info['cpu']}, {info['cores']} cores",
             f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
             f"- command: {info['command']}", f"- date: {info['timestamp']}"]
+
+
+# -- what the names in the tables mean ------------------------------------------------------------
+
+# Methods (the "method" and "baseline" columns), in the order a reader meets them.
+METHODS = {
+    "moebalance": "moebalance.plan(); in drift and replay rows it re-plans from its own last "
+                  "placement (previous=), so it moves few experts",
+    "moebalance (fresh)": "moebalance.plan() from scratch at every re-plan: the balance a re-plan "
+                          "that moves few experts is compared with",
+    "eplb (hierarchical)": "DeepSeek's EPLB itself, hierarchical policy (expert groups packed onto "
+                           "nodes, then replicas onto GPUs); used where the groups divide among "
+                           "the nodes",
+    "eplb (global)": "DeepSeek's EPLB itself, global policy (all replicas packed onto all GPUs at "
+                     "once); used on one node or where the groups do not divide among the nodes",
+    "eplb-style": "EPLB's method (equal-split replicas, greedy packing by load) generalised to "
+                  "devices of unlike speed or slots, which EPLB itself cannot express",
+    "rebalance_experts": "moebalance.rebalance_experts(): moebalance behind EPLB's own arguments "
+                         "and outputs (the drop-in table)",
+}
+# Columns of the drop-in table that need more than their name.
+DROPIN_NOTES = {
+    "duplicates": "replicas placed on a GPU that already holds a copy of the same expert (EPLB "
+                  "allows it; such a copy adds no capacity to that GPU)",
+    "speed-up": "EPLB's plan time over the drop-in's, same arguments and loads",
+}
+SCENARIO_LABELS = {
+    "drift P% xN": "N re-plans in a row, the loads jittered by P% before each one",
+    "replay xN": "N re-plans on the following windows of the router trace",
+}
+_TRACE_CLUSTERS = {
+    "trace-homogeneous-": "identical devices with {} slots in all, sized for the trace's experts "
+                          "(about 1.25 slots per expert)",
+    "trace-heterogeneous-": "the same devices and {} slots, the second half of the devices at "
+                            "speed 0.5",
+}
+
+
+def _describe(name: str) -> str | None:
+    if name in workloads.CLUSTERS:
+        return workloads.CLUSTERS[name].description
+    if name in METHODS:
+        return METHODS[name]
+    for prefix, text in _TRACE_CLUSTERS.items():
+        if name.startswith(prefix):
+            return text.format(name[len(prefix):])
+    return None
+
+
+def legend_entries(rows: Iterable, dropins: Sequence[dict] = ()) -> list[tuple[str, str]]:
+    """(name, meaning) for every scenario and method in ``rows`` (objects with ``scenario``,
+    ``method`` and ``kind`` attributes), then the drop-in table's columns when ``dropins``."""
+    rows = list(rows)
+    used = {r.method for r in rows} | {d["baseline"] for d in dropins}
+    if dropins:
+        used.add("rebalance_experts")
+    names = list(dict.fromkeys(r.scenario for r in rows)) + [m for m in METHODS if m in used]
+    entries = [(n, text) for n in names if (text := _describe(n)) is not None]
+    sequences = {r.drift is None for r in rows if r.kind == "drift"}  # True: a trace replay
+    if False in sequences:
+        entries.append(("drift P% xN", SCENARIO_LABELS["drift P% xN"]))
+    if True in sequences:
+        entries.append(("replay xN", SCENARIO_LABELS["replay xN"]))
+    if dropins:
+        entries += list(DROPIN_NOTES.items())
+    return entries
+
+
+def legend_text(rows: Iterable, dropins: Sequence[dict] = (), width: int = 100) -> str:
+    """The legend as indented plain text, wrapped to ``width``."""
+    entries = legend_entries(rows, dropins)
+    lines = ["names:"]
+    for name, text in entries:
+        lines.append(textwrap.fill(text, width=width, initial_indent=f"  {name}: ",
+                                   subsequent_indent="      ", break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+def legend_markdown(rows: Iterable, dropins: Sequence[dict] = ()) -> str:
+    """The legend as a markdown list."""
+    return "\n".join(f"- **{name}**: {text}" for name, text in legend_entries(rows, dropins))
+
+
+# -- figure captions ------------------------------------------------------------------------------
+
+PLANNER_PLOT_CAPTION = (
+    "Side by side, for the same loads (not before and after): each device's load / speed "
+    "relative to the ideal (dashed line at 1) under the baseline named in the legend (DeepSeek's "
+    "EPLB, or the EPLB-style plan where EPLB cannot express the cluster) and under moebalance. "
+    "One layer per panel, heavy skew: the layer whose baseline imbalance is the median over "
+    "layers. The tallest bar sets the step time.")
+
+
+def add_caption(fig, text: str, width: int = 150) -> None:
+    """Write ``text`` under the axes of matplotlib ``fig`` and lay it out with room for it
+    (call instead of ``fig.tight_layout()``)."""
+    wrapped = textwrap.fill(text, width=width, break_on_hyphens=False)
+    lines = wrapped.count("\n") + 1
+    height = fig.get_figheight()
+    room = min(0.4, (0.2 + 0.17 * lines) / height)  # inches of text, as a fraction of the figure
+    fig.text(0.01, 0.01, wrapped, ha="left", va="bottom", fontsize=9)
+    fig.tight_layout(rect=(0.0, room, 1.0, 1.0))

@@ -175,10 +175,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         models[name] = meta.get("model", "model not recorded")
         rows += run_trace(name, counts, window, preset["windows"], sweeps)
     elapsed = time.perf_counter() - started
-    notes = [f"placement planned on each window's mean counts (plan(previous=...)), scored on "
-             f"every step of the next window; imbalance = sum_l max_g(load/speed) / sum_l ideal "
-             f"per step, mean over steps; us/layer: one resplit_shares call, torch on one CPU "
-             f"thread"] + [f"trace {n}: {m}" for n, m in models.items()]
+    notes = ["placement planned on each window's mean counts (plan(previous=...)), scored on "
+             "every step of the next window; imbalance = sum_l max_g(load/speed) / sum_l ideal "
+             "per step, mean over steps; us/layer: one resplit_shares call, torch on one CPU "
+             "thread"] + [f"trace {n}: {m}" for n, m in models.items()]
     table = format_text(COLUMNS, _cells(rows))
     print()
     print(table)

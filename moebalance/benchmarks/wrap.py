@@ -218,8 +218,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     else:
         rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", "did not run", "", ""])
     glue = result["glue_share"]
-    notes = [f"wrapper overhead (experts module time outside dispatch, combine and expert "
-             f"arithmetic), share of the step per rank: "
+    notes = ["wrapper overhead (experts module time outside dispatch, combine and expert "
+             "arithmetic), share of the step per rank: "
              + ", ".join(f"{g:.1%}" for g in glue) + " (target < 10%)"]
     if not hf["ran"]:
         notes.append(f"transformers' expert parallelism on gloo: {hf['error']}")

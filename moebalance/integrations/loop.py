@@ -34,7 +34,7 @@ from ..migrate import MigrationError, Migrator
 from ..expert_slots import apply_placement, current_placement, moe_layers
 from ..planner import plan
 from ..topology import Topology
-from ..tracker import LoadTracker, attach
+from ..tracker import LoadTracker, attach, attached_tracker
 
 __all__ = ["Rebalancer"]
 
@@ -125,7 +125,7 @@ class Rebalancer:
                             f"{type(optimizer).__name__}")
         self.optimizer = optimizer
         if tracker is None:
-            tracker = getattr(model, "moebalance_tracker", None)     # attached by moebalance.wrap
+            tracker = attached_tracker(model)                       # e.g. by moebalance.wrap
         if tracker is None:
             tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
         elif not isinstance(tracker, LoadTracker):
@@ -147,15 +147,16 @@ class Rebalancer:
 
     def _tracker_rows(self) -> list[tuple[int, int]]:
         """(tracker layer, placement layer) for every ExpertParallelMoE layer."""
-        names = list(self.tracker.layer_names or [])
         name_of = {id(m): name for name, m in self.model.named_modules()}
         rows = []
         for layer in self.layers:
-            router_name = name_of.get(id(layer.router_module()), "?")
-            if router_name not in names:
-                raise ValueError(f"the tracker does not record the router {router_name!r}; attach it "
-                                 f"to this model with moebalance.attach(model)")
-            rows.append((names.index(router_name), layer.layer))
+            router = layer.router_module()
+            tracked = self.tracker.layer_of(router)
+            if tracked is None:
+                raise ValueError(f"the tracker does not record the router "
+                                 f"{name_of.get(id(router), '?')!r}; attach it to this model with "
+                                 f"moebalance.attach(model)")
+            rows.append((tracked, layer.layer))
         return rows
 
     # -- the loop --------------------------------------------------------------------------------
