@@ -486,13 +486,22 @@ def shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there():
     trio = dist.new_group([0, 1, 2])
     if dist.get_rank() < 3:
         losses = {}
-        for name, placement in (("shrunk", shrunk.placement), ("fresh", mb.plan(loads, three))):
+        starts = (("shrunk", shrunk.placement), ("carried", shrunk.carried),
+                  ("fresh", mb.plan(loads, three)))
+        for name, placement in starts:
             small = Net(placement, dtype, group=trio)
             small_opt = make_optimizer(small, "adamw")
             checkpoint.load(path, small, small_opt)
+            if name == "carried":
+                # Resumed where the survivors were, then moved live to the re-plan by the
+                # Migrator on the three ranks' group.
+                report = apply_placement(small, shrunk.placement, small_opt).report()
+                assert report["moves"] == shrunk.placement.moves_from(shrunk.carried)
+                assert current_placement(small) == shrunk.placement
             losses[name] = [train_step(small, small_opt, step, dtype, world=3, group=trio)
                             for step in range(10, 16)]
         np.testing.assert_allclose(losses["shrunk"], losses["fresh"], rtol=1e-10, atol=0)
+        np.testing.assert_allclose(losses["carried"], losses["fresh"], rtol=1e-10, atol=0)
     dist.barrier()
     if dist.get_rank() == 0:
         os.remove(path)
