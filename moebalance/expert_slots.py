@@ -194,8 +194,9 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
     * experts with more than one replica: each holder exchanges its gradient rows with the other
       holders of the expert only and sums them in holder-rank order, so replicas that start
       identical stay identical under any deterministic optimizer; experts with one replica need
-      nothing. Per step a rank sends ``(h - 1)`` rows per replicated expert it holds
-      (``layer.replica_sync_bytes()``), not a dense buffer of all replicated experts;
+      nothing. Per step a rank sends one row per replicated expert it holds with two holders
+      and ``2 (h - 1) / h`` rows of one with ``h >= 3`` (``layer.replica_sync_bytes()``), not
+      a dense buffer of all replicated experts;
     * the parameters the layer replicates on every rank (its router), when ``include_router``:
       their gradient is summed over the ranks.
     """

@@ -2,14 +2,15 @@
 
 Replicas of an expert must stay identical (DESIGN invariant 3), so each replica's gradient
 becomes the sum of the gradients of all replicas of that expert. :class:`HolderExchange` does it
-among the holders only: a holder sends its row to each other holder of the expert and sums the
-rows it receives in ascending holder-rank order, so every holder computes the same sum bit for
-bit and no rank carries rows of experts it does not hold. A rank sends, per step and per
-replicated expert it holds, ``(h - 1)`` rows (``h`` the expert's replica count), one
-point-to-point message per peer and tensor; a dense all-reduce over all replicated experts would
-send about ``2 (G - 1) / G`` rows of *every* replicated expert from every rank. (A two-phase
-reduce-scatter among holders would send ``2 (h - 1) / h`` rows; for the usual ``h`` of 2 that
-is the same, and one phase overlaps with backward without a second round.)
+among the holders only, so no rank carries rows of experts it does not hold, and every holder
+ends with the same bits. An expert with two holders takes one phase (each sends its row to the
+other, during backward); one with ``h >= 3`` takes two, a reduce-scatter of ``h`` chunks among
+its holders during backward and an all-gather of the summed chunks when backward ends, each
+chunk summed once in ascending holder-rank order. A rank sends, per step and per replicated
+expert it holds, one row when ``h`` is 2 and about ``2 (h - 1) / h`` rows otherwise (sending
+the whole row to every other holder would cost ``h - 1``: hot experts of a large model have
+10-20 replicas); a dense all-reduce over all replicated experts would send about
+``2 (G - 1) / G`` rows of *every* replicated expert from every rank.
 
 :class:`GradientSync` drives the exchange during backward. A tensor hook sees each backward's
 *increment* of a parameter's gradient before it is accumulated: it posts the exchange of the
@@ -20,8 +21,7 @@ gradient accumulation, and it is final when ``backward()`` returns, before any g
 Parameters replicated on every rank (a router, embeddings) use the same path with an all-reduce
 (SUM) of the whole increment, in buckets of a few MB launched in a fixed order as they fill.
 
-Legend: Ls local slots, n local slots of replicated experts, H most replicas of any expert of the
-layer, G ranks.
+Legend: Ls local slots, n local slots of replicated experts, R elements of one slot row, G ranks.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ _TAG_KINDS = 16
 class HolderExchange:
     """Which rows of one layer's slot tensors this rank swaps with which peer, and how to sum them.
 
+    An expert with two holders is summed in one phase: each holder sends its row to the other
+    and adds the two (the same bits either way round). An expert with ``h >= 3`` holders is
+    summed in two: its row is cut into ``h`` chunks, the holder at position ``j`` (ascending
+    rank) receives chunk ``j`` from every other holder and sums the ``h`` of them in holder
+    order, then sends the sum to every other holder. A holder then sends ``2 (h - 1) / h`` rows
+    instead of ``h - 1``, and every holder gets the same bits, each chunk being summed once.
+
     Args:
         phy2log_S: [S] logical expert of each global slot of the layer.
         slot_device_S: [S] device (rank) of each slot, non-decreasing.
@@ -61,69 +68,136 @@ class HolderExchange:
         self.rank = int(rank)
         self.tag = int(tag)
         self.num_held = int(rep_slots.size)
-        self.height = int(replicas.max()) if phy2log_S.size else 1  # H, the same on every rank
         self.rep_slots = torch.from_numpy(rep_slots)
-        own_index = np.empty(rep_slots.size, dtype=np.int64)
-        peers: dict[int, tuple[list, list]] = {}                   # peer -> (my slots, contrib index)
+        pairs: dict[int, list] = {}      # peer -> [(expert, i)], i indexes rep_slots
+        splits: dict[int, list] = {}     # peer -> [(expert, i, my position, its position, h)]
+        self.split = []                  # (i, my position, h) of each expert with h >= 3
         for i, s in enumerate(rep_slots.tolist()):
             expert = int(local[s])
-            holders = np.sort(slot_device_S[phy2log_S == expert])
-            for j, holder in enumerate(holders.tolist()):
-                if holder == rank:
-                    own_index[i] = j * rep_slots.size + i
-                else:
-                    mine, into = peers.setdefault(holder, ([], []))
-                    mine.append((expert, s))
-                    into.append((expert, j * rep_slots.size + i))
-        self.own_index = torch.from_numpy(own_index)
-        # Per peer, rows in ascending expert id on both sides, so the two ends agree on order.
-        self.peers = []
-        for peer in sorted(peers):
-            mine, into = peers[peer]
-            self.peers.append((peer, torch.tensor([s for _, s in sorted(mine)], dtype=torch.int64),
-                               torch.tensor([k for _, k in sorted(into)], dtype=torch.int64)))
-        self.rows_sent = sum(int(slots.numel()) for _, slots, _ in self.peers)
+            holders = np.sort(slot_device_S[phy2log_S == expert]).tolist()
+            me = holders.index(rank)
+            if len(holders) == 2:
+                pairs.setdefault(holders[1 - me], []).append((expert, i))
+                continue
+            self.split.append((i, me, len(holders)))
+            for j, holder in enumerate(holders):
+                if holder != rank:
+                    splits.setdefault(holder, []).append((expert, i, me, j, len(holders)))
+        # Per peer, entries in ascending expert id on both sides, so the two ends agree on order.
+        self.pairs = [(peer, torch.tensor([i for _, i in sorted(pairs[peer])], dtype=torch.int64))
+                      for peer in sorted(pairs)]
+        self.splits = [(peer, [entry[1:] for entry in sorted(splits[peer])]) for peer in sorted(splits)]
+
+    def elements_sent(self, row_numel: int) -> int:
+        """Elements this rank sends per exchange of one tensor whose rows have ``row_numel``."""
+        sent = sum(int(rows.numel()) for _, rows in self.pairs) * row_numel
+        for _, me, h in self.split:
+            mine = _chunk(row_numel, h, me)
+            sent += row_numel - (mine[1] - mine[0]) + (h - 1) * (mine[1] - mine[0])
+        return sent
 
     def bytes_sent(self, tensors: Sequence[torch.Tensor]) -> int:
         """Bytes this rank sends per exchange of ``tensors`` ([Ls, ...] each)."""
-        return self.rows_sent * sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(self.elements_sent(t[0].numel()) * t.element_size() for t in tensors)
+
+    def _tag(self, kind: int, phase: int) -> int:
+        return _TAG_BASE + (self.tag * _TAG_KINDS + kind) * 2 + phase
 
     def post(self, increment: torch.Tensor, kind: int, group) -> "_Posted":
         """Start exchanging the replicated rows of ``increment`` ([Ls, ...], one slot tensor's
         gradient increment); ``kind`` numbers the tensor within the layer."""
         device = increment.device
-        n = self.num_held
-        contrib = increment.new_zeros((self.height * n, *increment.shape[1:]))
-        contrib.index_copy_(0, self.own_index.to(device),
-                            increment.index_select(0, self.rep_slots.to(device)))
-        ops, landing = [], []
-        tag = _TAG_BASE + self.tag * _TAG_KINDS + kind
-        for peer, slots, into in self.peers:
-            out = increment.index_select(0, slots.to(device))
+        mine_nR = increment.index_select(0, self.rep_slots.to(device)).reshape(self.num_held, -1)
+        R = mine_nR.shape[1]
+        ops, pair_in, split_in = [], [], []
+        tag = self._tag(kind, 0)
+        for peer, rows in self.pairs:
+            rows = rows.to(device)
+            out = mine_nR.index_select(0, rows)
             inc = torch.empty_like(out)
             ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=peer, tag=tag))
             ops.append(dist.P2POp(dist.irecv, inc, group=group, group_peer=peer, tag=tag))
-            landing.append((inc, into.to(device)))
+            pair_in.append((rows, inc))
+        for peer, entries in self.splits:
+            # Chunk `its position` of each shared row goes out; chunk `my position` comes in.
+            out = torch.cat([mine_nR[i, slice(*_chunk(R, h, j))] for i, _, j, h in entries])
+            size = sum(_size(R, h, me) for _, me, _, h in entries)
+            inc = mine_nR.new_empty(size)
+            ops += _send_recv(out, inc, group, peer, tag)
+            split_in.append((peer, entries, inc))
         works = dist.batch_isend_irecv(ops) if ops else []
-        return _Posted(works, contrib, landing, n, self.height)
+        return _Posted(works, mine_nR, pair_in, split_in, increment.shape[1:], kind, group)
 
     def finish(self, posted: "_Posted") -> torch.Tensor:
         """Wait for ``posted`` and return the summed rows [n, ...] (holder-rank order)."""
         for work in posted.works:
             work.wait()
-        contrib = posted.contrib
-        for inc, into in posted.landing:
-            contrib.index_copy_(0, into, inc)
-        parts = contrib.view(posted.height, posted.n, *contrib.shape[1:])
-        total = parts[0].clone()
-        for j in range(1, posted.height):
-            total += parts[j]
-        return total
+        mine_nR = posted.mine
+        R = mine_nR.shape[1]
+        total_nR = mine_nR.clone()
+        for rows, inc in posted.pair_in:
+            total_nR.index_add_(0, rows, inc)      # a + b: the same bits on both holders
+        if self.split:
+            self._reduce_chunks(posted, total_nR, R)
+        return total_nR.view(self.num_held, *posted.row_shape)
+
+    def _reduce_chunks(self, posted: "_Posted", total_nR: torch.Tensor, R: int) -> None:
+        """Second phase: sum my chunk of each split expert, send it to its other holders and
+        place the sums they send back."""
+        parts: dict[int, dict[int, torch.Tensor]] = {i: {} for i, _, _ in self.split}
+        for _, entries, inc in posted.split_in:
+            offset = 0
+            for i, me, j, h in entries:
+                n = _size(R, h, me)
+                parts[i][j] = inc[offset:offset + n]
+                offset += n
+        for i, me, h in self.split:
+            a, b = _chunk(R, h, me)
+            parts[i][me] = posted.mine[i, a:b]
+            acc = parts[i][0].clone()
+            for j in range(1, h):
+                acc += parts[i][j]
+            total_nR[i, a:b] = acc
+        ops, landing = [], []
+        tag = self._tag(posted.kind, 1)
+        for peer, entries in self.splits:
+            out = torch.cat([total_nR[i, slice(*_chunk(R, h, me))] for i, me, _, h in entries])
+            inc = total_nR.new_empty(sum(_size(R, h, j) for _, _, j, h in entries))
+            ops += _send_recv(out, inc, posted.group, peer, tag)
+            landing.append((entries, inc))
+        for work in (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
+        for entries, inc in landing:
+            offset = 0
+            for i, _, j, h in entries:
+                a, b = _chunk(R, h, j)
+                total_nR[i, a:b] = inc[offset:offset + b - a]
+                offset += b - a
+
+
+def _send_recv(out: torch.Tensor, inc: torch.Tensor, group, peer: int, tag: int) -> list:
+    """P2P ops of one message each way; an empty one (rows shorter than their holder count)
+    is skipped, on both ends alike since both compute its size."""
+    ops = [dist.P2POp(dist.isend, out, group=group, group_peer=peer, tag=tag)] if out.numel() else []
+    if inc.numel():
+        ops.append(dist.P2POp(dist.irecv, inc, group=group, group_peer=peer, tag=tag))
+    return ops
+
+
+def _chunk(R: int, h: int, j: int) -> tuple[int, int]:
+    """[start, stop) of chunk ``j`` of a row of ``R`` elements cut into ``h``."""
+    return j * R // h, (j + 1) * R // h
+
+
+def _size(R: int, h: int, j: int) -> int:
+    a, b = _chunk(R, h, j)
+    return b - a
 
 
 class _Posted:
-    def __init__(self, works, contrib, landing, n, height) -> None:
-        self.works, self.contrib, self.landing, self.n, self.height = works, contrib, landing, n, height
+    def __init__(self, works, mine, pair_in, split_in, row_shape, kind, group) -> None:
+        self.works, self.mine, self.pair_in, self.split_in = works, mine, pair_in, split_in
+        self.row_shape, self.kind, self.group = row_shape, kind, group
 
 
 class GradientSync:
@@ -189,7 +263,7 @@ class GradientSync:
                 return None
             exchange = self.exchange_for()
             scaled = grad if self.scale == 1.0 else grad * self.scale
-            if exchange.num_held == 0 and not exchange.peers:
+            if exchange.num_held == 0:
                 return None if self.scale == 1.0 else scaled
             posted = exchange.post(grad, kind, self.group)
             rows = exchange.rep_slots.to(grad.device)

@@ -368,14 +368,47 @@ def replica_gradient_traffic_scales_with_replicas_held():
     counts = np.bincount(row, minlength=E)
     rank = dist.get_rank()
     held = row[rank * 3:(rank + 1) * 3]
-    expected_rows = int(sum(counts[e] - 1 for e in held if counts[e] > 1))
-    row_bytes = (2 * F * D + D * F) * 4
-    assert model.l0.replica_sync_bytes() == expected_rows * row_bytes
+    rows = {"gate_up": 2 * F * D, "down": D * F}         # elements of one slot row
+    # Two holders: one row each way. Expert 0's three holders (ranks 0, 1, 3) cut its rows into
+    # thirds: a holder sends the two thirds it does not sum, then its summed third twice.
+    position = {0: 0, 1: 1, 3: 2}.get(rank)
+    expected = 0
+    for e in held:
+        for R in rows.values():
+            if counts[e] == 2:
+                expected += R
+            elif counts[e] == 3:
+                mine = (position + 1) * R // 3 - position * R // 3
+                expected += R - mine + 2 * mine
+    assert model.l0.replica_sync_bytes() == expected * 4
+    row_bytes = sum(rows.values()) * 4
     dense_bytes = 2 * (WORLD - 1) / WORLD * int(np.count_nonzero(counts > 1)) * row_bytes
     sizes = [None] * WORLD
     dist.all_gather_object(sizes, model.l0.replica_sync_bytes())
-    assert sizes == [4 * row_bytes, 3 * row_bytes, 1 * row_bytes, 2 * row_bytes]
+    # Rank 0 holds experts 0, 1 and 2 replicated, rank 1 experts 0 and 1, rank 2 expert 2 and
+    # rank 3 expert 0; a third-of-expert-0 holder sends 4/3 of a row.
+    third = 4 * 4 * F * D
+    assert sizes == [2 * row_bytes + third, row_bytes + third, row_bytes, third]
     assert max(sizes) < dense_bytes
+
+
+def experts_on_every_rank_train_like_experts_held_once_fp64():
+    """Holder counts 4 and 2: the reduce-scatter path sums replicas like a single holder."""
+    dtype = torch.float64
+    row = np.array([0, 1, 2, 0, 1, 3, 0, 4, 5, 0, 6, 7])         # expert 0 on all four ranks
+    share = np.zeros(row.shape)
+    for e in range(E):
+        slots = np.flatnonzero(row == e)
+        share[slots] = np.arange(1, slots.size + 1) / np.arange(1, slots.size + 1).sum()
+    spread = mb.Placement(np.stack([row, row]), np.stack([share, share]),
+                          np.repeat(np.arange(WORLD), 3), E).validate()
+    runs = []
+    for placement in (spread, placements_for(0)):
+        model = Net(placement, dtype)
+        optimizer = make_optimizer(model, "adamw")
+        runs.append([train_step(model, optimizer, step, dtype) for step in range(6)])
+        assert_replicas_identical(model)
+    assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-10, atol=1e-12)
 
 
 def backward_sync_equals_manual_sync_also_under_accumulation():
@@ -525,6 +558,7 @@ CASES = [
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
     shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there,
     rebalancer_plain_loop_drives_migrations_and_keeps_losses,
+    experts_on_every_rank_train_like_experts_held_once_fp64,
     failed_transfer_on_one_rank_keeps_old_placement_everywhere,
     rank_that_never_sends_fails_migration_without_hang,
 ]

@@ -189,13 +189,15 @@ def sync_bytes_at_scale(row_bytes: int = 3 * 7168 * 2048 * 2) -> dict:
 
     topology = mb.Topology.uniform(num_devices=64, slots_per_device=5, devices_per_node=8)
     placement = mb.plan(synthetic_loads("moderate", seed=0), topology)
-    rows = np.zeros(64, dtype=np.int64)
+    element_bytes = 2
+    sent = np.zeros(64, dtype=np.int64)
     for layer in range(placement.num_layers):
         for g in range(64):
-            rows[g] += HolderExchange(placement.phy2log[layer], placement.slot_device, g, 0).rows_sent
+            exchange = HolderExchange(placement.phy2log[layer], placement.slot_device, g, 0)
+            sent[g] += exchange.elements_sent(row_bytes // element_bytes) * element_bytes
     replicated = int((placement.replicas > 1).sum())
     dense = 2 * 63 / 64 * replicated * row_bytes
-    return {"holder_max": int(rows.max()) * row_bytes, "holder_median": float(np.median(rows)) * row_bytes,
+    return {"holder_max": int(sent.max()), "holder_median": float(np.median(sent)),
             "dense": dense, "replicated_experts": replicated}
 
 
