@@ -115,8 +115,7 @@ class HolderExchange:
             rows = rows.to(device)
             out = mine_nR.index_select(0, rows)
             inc = torch.empty_like(out)
-            ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=peer, tag=tag))
-            ops.append(dist.P2POp(dist.irecv, inc, group=group, group_peer=peer, tag=tag))
+            ops += _send_recv(out, inc, group, peer, tag)
             pair_in.append((rows, inc))
         for peer, entries in self.splits:
             # Chunk `its position` of each shared row goes out; chunk `my position` comes in.
