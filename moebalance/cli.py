@@ -1,4 +1,4 @@
-"""The ``moebalance`` command: ``bench``, ``plan`` and ``inspect``; alone, it prints its help.
+"""The ``moebalance`` command: ``bench``, ``plan``, ``inspect`` and ``simulate``; alone, it prints its help.
 
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
@@ -7,6 +7,7 @@
     moebalance bench wrap ...                         a wrapped transformers model against one process
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
+    moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]   modelled step time per policy
 
 Options given without a command (``moebalance --quick``) go to ``bench``.
 
@@ -28,7 +29,7 @@ import numpy as np
 from .cli_args import (ArgumentParser, UsageError, add_topology_arguments, nonneg_int_arg,
                        read_loads, read_placement, run_guarded, topology_from_args, writable_file)
 
-COMMANDS = ("bench", "plan", "inspect")
+COMMANDS = ("bench", "plan", "inspect", "simulate")
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def build_parser() -> ArgumentParser:
         "'moebalance bench --quick' (a few seconds once the Numba kernels are compiled), or plan a placement for your own loads with "
         "'moebalance plan LOADS.npy --devices N --slots K'."))
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,inspect}",
+    sub = parser.add_subparsers(dest="command", metavar="{bench,plan,inspect,simulate}",
                                 parser_class=ArgumentParser)
 
     bench = sub.add_parser("bench", help="planner benchmark against EPLB (--quick: a short "
@@ -280,6 +281,14 @@ def build_parser() -> ArgumentParser:
     inspect.add_argument("--key", help="array name inside an .npz or a saved dict (default: loads)")
     add_topology_arguments(inspect)
     inspect.set_defaults(func=cmd_inspect)
+
+    from .simulation import command as simulation
+
+    simulate = sub.add_parser("simulate", help="model each balancing policy's step time on "
+                                               "described clusters (--quick: a short run)",
+                              description=simulation.DESCRIPTION)
+    simulation.add_arguments(simulate)
+    simulate.set_defaults(func=lambda args: simulation.run(args, ["moebalance", *args.argv]))
     return parser
 
 
@@ -296,4 +305,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:2] == ["bench", "planner"]:
         argv = ["bench", *argv[2:]]
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line, recorded with results
     return run_guarded(lambda: args.func(args), prog=f"moebalance {args.command}")

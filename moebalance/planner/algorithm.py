@@ -1382,3 +1382,21 @@ def step_times(counts_TLE, phy2log, share, speed, slot_device, max_sweeps):
             out[layer] += max_time(load, speed)
         out[layer] /= T
     return out
+
+
+@kernel
+def resplit_device_loads(counts_TE, phy2log, share, speed, slot_device, max_sweeps):
+    """[T, G] device loads of one layer at every step of ``counts_TE`` when each step's tokens
+    are re-split over the placement's replicas (water filling from its shares, as the
+    dispatcher's per-step re-split does)."""
+    T = counts_TE.shape[0]
+    G = speed.shape[0]
+    out = np.zeros((T, G), dtype=np.float64)
+    trial = np.empty(share.shape[0], dtype=np.float64)
+    for t in range(T):
+        w = counts_TE[t]
+        trial[:] = share
+        load = device_loads(w, phy2log, trial, slot_device, G)
+        balance_shares(w, speed, slot_device, phy2log, trial, load, max_sweeps)
+        out[t] = load
+    return out

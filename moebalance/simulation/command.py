@@ -1,0 +1,271 @@
+"""``moebalance simulate``: modelled step time of every balancing policy on described clusters.
+
+    moebalance simulate [--quick] [--cluster NAME|FILE[,...]] [--model NAME|FILE]
+                        [--trace generated|mixtral|qwen3_moe|FILE] [--steps N] [--every N]
+                        [--window N] [--max-moves N | --no-move-price] [--out DIR]
+
+For every cluster: a trace (generated at the model's shape and the cluster's batch, or a recorded
+one), the five policies of :func:`~.policies.default_policies`, and per policy the modelled
+tokens per second, mean and p99 step time, mean imbalance, moves and bytes per re-plan, time to
+plan and the mean of every step-time term. Writes ``results.json``, ``summary.md`` and plots
+(imbalance over steps, step time over steps and its terms, per-device load of one layer) under
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..cli_args import UsageError, positive_int_arg, run_guarded, nonneg_int_arg
+from .cluster import CLUSTER_PRESETS, MODELS, Cluster, cluster_preset, load_cluster, load_model
+
+DESCRIPTION = ("Replay a router trace on described clusters and model each balancing policy's "
+               "step time: static, EPLB-style periodic re-planning, moebalance periodic (with "
+               "and without the per-step re-split), and the bound.")
+
+FULL = dict(steps=1000, every=100)
+QUICK = dict(steps=200, every=50)
+DEFAULT_CLUSTER = "h100-a100-64"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK['steps']} steps, a re-plan every {QUICK['every']} (well "
+                             f"under 30 s once the planner's kernels are compiled)")
+    parser.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE[,...]",
+                        help=f"cluster preset(s) or .json/.toml file(s), comma separated "
+                             f"(default {DEFAULT_CLUSTER}; presets: "
+                             f"{', '.join(CLUSTER_PRESETS)})")
+    parser.add_argument("--model", default="deepseek-v3", metavar="NAME|FILE",
+                        help=f"model shape: {', '.join(MODELS)} or a .json/.toml file of "
+                             f"ModelShape fields (default deepseek-v3)")
+    parser.add_argument("--trace", default="generated", metavar="generated|NAME|FILE",
+                        help="router counts [steps, layers, experts]: 'generated' (fitted to the "
+                             "shipped traces, at the model's shape), a shipped trace (mixtral, "
+                             "qwen3_moe) or a .npz/.npy file (default generated)")
+    parser.add_argument("--steps", type=positive_int_arg, metavar="N",
+                        help=f"simulated steps after the history window (default {FULL['steps']}; "
+                             f"a recorded trace: what it holds)")
+    parser.add_argument("--every", type=positive_int_arg, metavar="N",
+                        help=f"steps between re-plans (default {FULL['every']})")
+    parser.add_argument("--window", type=positive_int_arg, metavar="N",
+                        help="steps of history a re-plan averages (default: --every)")
+    parser.add_argument("--max-moves", type=nonneg_int_arg, metavar="N",
+                        help="cap moebalance's moves per re-plan at N instead of pricing them")
+    parser.add_argument("--no-move-price", action="store_true",
+                        help="moebalance re-plans without a move price (moves only where a layer "
+                             "is off its fresh-plan balance)")
+    parser.add_argument("--skew", default="moderate", choices=("moderate", "heavy"),
+                        help="base popularity of the generated trace (default moderate)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    parser.add_argument("--layer", type=nonneg_int_arg, metavar="N",
+                        help="layer of the per-device load plot (default: the most skewed)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the plots")
+    parser.add_argument("--out", default=os.path.join("bench-out", "simulate"), metavar="DIR",
+                        help="folder for results.json, summary.md and plots "
+                             "(default ./bench-out/simulate)")
+
+
+def _clusters(spec: str) -> list[Cluster]:
+    out = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        try:
+            out.append(load_cluster(item) if item.endswith((".json", ".toml"))
+                       else cluster_preset(item))
+        except ValueError as err:
+            raise UsageError(f"--cluster: {err}") from None
+    if not out:
+        raise UsageError("--cluster needs at least one preset name or file")
+    return out
+
+
+def _trace_for(args, cluster: Cluster, model, steps: int, warmup: int):
+    """(counts [T, L, E], model for its shape, description)."""
+    from .traces import generate_trace, read_trace
+
+    if args.trace == "generated":
+        tokens = cluster.num_devices * model.tokens_per_device
+        counts = generate_trace(steps + warmup, num_layers=model.num_layers,
+                                num_experts=model.num_experts, num_groups=model.num_groups,
+                                top_k=model.top_k, tokens=tokens, skew=args.skew,
+                                sequences=tokens / model.sequence_length, seed=args.seed)
+        return counts, model, (f"generated ({args.skew} skew, seed {args.seed}, dynamics fitted "
+                               f"to the shipped traces, {tokens / model.sequence_length:.0f} "
+                               f"sequences a step)")
+    try:
+        counts, what = read_trace(args.trace)
+    except ValueError as err:
+        raise UsageError(f"--trace: {err}") from None
+    if counts.shape[0] <= warmup:
+        raise UsageError(f"--trace {args.trace!r} holds {counts.shape[0]} steps, not more than the "
+                         f"{warmup} steps of history a re-plan needs: lower --window/--every")
+    if args.steps is not None:
+        counts = counts[:warmup + args.steps]
+    return counts, model.with_trace_shape(counts.shape[1], counts.shape[2]), what
+
+
+COLUMNS = ["policy", "tokens/s", "vs EPLB", "mean step (s)", "p99 step (s)", "imbalance",
+           "re-plans", "moves/re-plan", "GB/re-plan", "plan (ms)", "experts (s)",
+           "all-to-all (s)", "rest (s)", "migration (s)"]
+
+
+def _cells(summaries: list[dict]) -> list[list[str]]:
+    eplb = next((s for s in summaries if s["policy"].startswith("EPLB")), None)
+    rows = []
+    for s in summaries:
+        ratio = s["tokens_per_s"] / eplb["tokens_per_s"] if eplb else float("nan")
+        rows.append([s["policy"], f"{s['tokens_per_s']:,.0f}", f"{ratio:.2f}x",
+                     f"{s['mean_step_s']:.3f}", f"{s['p99_step_s']:.3f}",
+                     f"{s['mean_imbalance']:.3f}", str(s["replans"]),
+                     f"{s['moves_per_replan']:.0f}", f"{s['bytes_per_replan'] / 1e9:.1f}",
+                     f"{s['plan_s'] * 1e3:.0f}", f"{s['mean_expert_compute_s']:.3f}",
+                     f"{s['mean_all_to_all_s']:.3f}", f"{s['mean_non_moe_s']:.3f}",
+                     f"{s['mean_migration_s']:.4f}"])
+    return rows
+
+
+def _plot(sim, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(sim.first_step, sim.first_step + sim.runs[0].step_seconds.size)
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    ax = axes[0, 0]
+    for run in sim.runs:
+        ax.plot(steps, run.imbalance, label=run.name, lw=0.9)
+    ax.set(xlabel="step", ylabel="imbalance (hottest / balanced)", title="imbalance over steps")
+    ax.legend(fontsize=7)
+    ax = axes[0, 1]
+    for run in sim.runs:
+        ax.plot(steps, run.step_seconds, label=run.name, lw=0.9)
+    ax.set(xlabel="step", ylabel="seconds", title="modelled step time")
+    ax = axes[1, 0]
+    bottom = np.zeros(len(sim.runs))
+    for term in ("expert_compute", "all_to_all", "non_moe", "migration"):
+        values = np.array([run.terms[term].mean() for run in sim.runs])
+        ax.bar(range(len(sim.runs)), values, bottom=bottom, label=term.replace("_", " "))
+        bottom += values
+    ax.set_xticks(range(len(sim.runs)), [r.name for r in sim.runs], rotation=20, ha="right",
+                  fontsize=7)
+    ax.set(ylabel="seconds per step (mean)", title="step time by term")
+    ax.legend(fontsize=7)
+    ax = axes[1, 1]
+    speed = sim.topology.speed
+    G = speed.size
+    width = 0.8 / len(sim.runs)
+    for i, run in enumerate(sim.runs):
+        balanced = run.layer_loads.sum() * speed / speed.sum()
+        ax.bar(np.arange(G) + i * width, run.layer_loads / np.maximum(balanced, 1e-300),
+               width=width, label=run.name)
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set(xlabel="device", ylabel="load / its speed's share",
+           title=f"per-device load, layer {sim.shown_layer} (mean over steps)")
+    fig.suptitle(f"{sim.cluster.name}: {sim.cluster.description}; {sim.model.name}; {sim.trace}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from tqdm import tqdm
+
+    from ..benchmarks.report import format_markdown, format_text, machine_info, markdown_header
+    from .policies import default_policies
+    from .run import move_price, simulate
+    from .stepmodel import StepModel
+
+    if args.max_moves is not None and args.no_move_price:
+        raise UsageError("--max-moves replaces the move price already; give one of --max-moves "
+                         "and --no-move-price")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable "
+                         f"folder") from None
+    clusters = _clusters(args.cluster)
+    try:
+        base_model = load_model(args.model)
+    except ValueError as err:
+        raise UsageError(f"--model: {err}") from None
+    preset = QUICK if args.quick else FULL
+    every = args.every or preset["every"]
+    window = args.window or every
+    steps = args.steps or preset["steps"]
+    info = machine_info(argv)
+    results, md = [], markdown_header("moebalance simulate", info)
+    for cluster in clusters:
+        started = time.perf_counter()
+        counts, model, what = _trace_for(args, cluster, base_model, steps, window)
+        try:
+            step_model = StepModel(cluster, model)
+        except ValueError as err:
+            raise UsageError(f"--cluster {cluster.name}: {err}") from None
+        price = None if (args.no_move_price or args.max_moves is not None) else \
+            move_price(step_model, every, model.num_layers)
+        policies = default_policies(every, window, price, args.max_moves)
+        simulated = counts.shape[0] - window
+        if args.layer is not None and args.layer >= model.num_layers:
+            raise UsageError(f"--layer {args.layer}: the model has {model.num_layers} layers "
+                             f"(0..{model.num_layers - 1})")
+        with tqdm(total=simulated * len(policies), desc=cluster.name, unit="step",
+                  leave=False) as bar:
+            sim = simulate(counts, cluster, model, policies, warmup=window,
+                           shown_layer=args.layer, progress=bar.update, trace=what)
+        elapsed = time.perf_counter() - started
+        summaries = sim.summaries()
+        topology = sim.topology
+        head = (f"{cluster.name}: {cluster.description}; {model.name} ({model.num_layers} x "
+                f"{model.num_experts}, top-{model.top_k}), {topology.num_slots} slots "
+                f"({', '.join(sorted({str(s) for s in topology.slots}))} per device); trace "
+                f"{what}; {simulated} steps, re-plan every {every} from {window} steps; "
+                f"{elapsed:.1f} s")
+        print(head)
+        print(format_text(COLUMNS, _cells(summaries)))
+        print()
+        md += [f"## {cluster.name}", "", head, "", format_markdown(COLUMNS, _cells(summaries)), ""]
+        plot = None
+        if not args.no_plots:
+            plot = out / f"simulate-{cluster.name}.png"
+            _plot(sim, plot)
+            md += [f"![{cluster.name}]({plot.name})", ""]
+        results.append({
+            "cluster": cluster.to_dict(), "model": model.__dict__, "trace": what,
+            "steps": simulated, "every": every, "window": window, "seconds": elapsed,
+            "shown_layer": sim.shown_layer, "summaries": summaries,
+            "runs": [{"policy": r.name, "replans": r.replans,
+                      "step_seconds": r.step_seconds.round(6).tolist(),
+                      "imbalance": r.imbalance.round(5).tolist(),
+                      "layer_loads": r.layer_loads.tolist()} for r in sim.runs],
+            "plot": plot.name if plot else None})
+    md += ["Step model: moebalance/simulation/stepmodel.py (formulas in its docstring); "
+           "policies: moebalance/simulation/policies.py."]
+    (out / "results.json").write_text(json.dumps({"machine": info, "results": results}) + "\n",
+                                      encoding="utf-8")
+    (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}"
+          + ("" if args.no_plots else " and plots"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``moebalance simulate`` as a function; ``argv`` excludes the program name."""
+    from ..cli_args import ArgumentParser
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog="moebalance simulate", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_guarded(lambda: run(args, ["moebalance", "simulate", *argv]),
+                       prog="moebalance simulate")

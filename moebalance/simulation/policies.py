@@ -1,0 +1,174 @@
+"""Balancing policies the simulator compares: each a small object asked once per step.
+
+A policy sees the trace up to the step it is asked about, never the step itself (the oracle
+excepted), and answers with the placement to use from that step on, or None to keep the one in
+service. :func:`moebalance.simulation.simulate` calls ``start`` once with the warm-up steps,
+then ``step`` at every simulated step, and charges every new placement's migration in the
+policy's ``migration`` mode (see :mod:`.stepmodel`).
+
+* :class:`StaticUniform`: one placement planned for equal loads, never changed (what a job
+  without a balancer runs: experts spread evenly by device speed and slots).
+* :class:`EPLBPeriodic`: every ``every`` steps a full re-plan from the last ``window`` steps'
+  mean load with EPLB's method (replicas by load per replica, heaviest first to the least loaded
+  device; speeds ignored, as EPLB ignores them; :func:`~moebalance.benchmarks.eplb_baseline.
+  eplb_style_plan`), equal token shares, no regard for the placement in service, and training
+  stops while the experts move (every move paid, as EPLB's rearrangement in vLLM and SGLang).
+* :class:`MoebalancePeriodic`: every ``every`` steps :func:`moebalance.plan` from the same
+  window with the placement in service as ``previous`` and the window's steps as ``spread``,
+  under a move budget (``max_moves``) or a move price (:class:`~moebalance.planner.MoveCost`:
+  the step time a move saves until the next re-plan against its transfer time); migrations are
+  live. With ``resplit=True`` each step's tokens are also re-split over the replicas (the
+  dispatcher's per-step re-split).
+* :class:`Oracle`: the bound. It knows each step's loads and spreads them over the devices in
+  proportion to their speed (what no placement with integer replicas beats), with no migration.
+
+Legend: T steps, L layers, E experts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..placement import Placement
+from ..planner import MoveCost, plan
+from ..topology import Topology
+
+__all__ = ["Policy", "StaticUniform", "EPLBPeriodic", "MoebalancePeriodic", "Oracle",
+           "default_policies"]
+
+
+class Policy:
+    """What the simulator asks of a policy.
+
+    Attributes:
+        name: row label. resplit: re-split each step's tokens over the replicas.
+        migration: "live", "blocking" or "free" (see :mod:`.stepmodel`).
+        oracle: loads follow device speed exactly (no placement).
+        plan_seconds: wall time of every plan made so far (host seconds).
+    """
+
+    name = "policy"
+    resplit = False
+    migration = "live"
+    oracle = False
+
+    def __init__(self) -> None:
+        self.plan_seconds: list[float] = []
+
+    def bind(self, topology: Topology) -> "Policy":
+        """Use ``topology``; returns self."""
+        self.topology = topology
+        self.plan_seconds = []
+        return self
+
+    def start(self, history_TLE: np.ndarray) -> Placement | None:
+        """The placement in service at the first simulated step, from the warm-up steps."""
+        raise NotImplementedError
+
+    def step(self, t: int, history_TLE: np.ndarray, current: Placement | None) -> Placement | None:
+        """A new placement from step ``t`` on, or None; ``history_TLE`` = steps before ``t``."""
+        return None
+
+    def _timed(self, fn):
+        begin = time.perf_counter()
+        out = fn()
+        self.plan_seconds.append(time.perf_counter() - begin)
+        return out
+
+
+class StaticUniform(Policy):
+    name = "static uniform"
+
+    def start(self, history_TLE):
+        L, E = history_TLE.shape[1:]
+        return self._timed(lambda: plan(np.ones((L, E)), self.topology))
+
+
+class _Periodic(Policy):
+    def __init__(self, every: int, window: int | None = None) -> None:
+        super().__init__()
+        if isinstance(every, bool) or int(every) != every or every < 1:
+            raise ValueError(f"every must be an integer >= 1 (steps between re-plans), got {every!r}")
+        window = every if window is None else window
+        if isinstance(window, bool) or int(window) != window or window < 1:
+            raise ValueError(f"window must be an integer >= 1 (steps averaged), got {window!r}")
+        self.every, self.window = int(every), int(window)
+
+    def _recent(self, history_TLE: np.ndarray) -> np.ndarray:
+        return history_TLE[-self.window:]
+
+    def start(self, history_TLE):
+        return self._timed(lambda: self._plan(self._recent(history_TLE), None))
+
+    def step(self, t, history_TLE, current):
+        if t % self.every:
+            return None
+        return self._timed(lambda: self._plan(self._recent(history_TLE), current))
+
+    def _plan(self, recent_TLE: np.ndarray, current: Placement | None) -> Placement:
+        raise NotImplementedError
+
+
+class EPLBPeriodic(_Periodic):
+    migration = "blocking"
+
+    def __init__(self, every: int, window: int | None = None) -> None:
+        super().__init__(every, window)
+        self.name = f"EPLB every {self.every}"
+
+    def _plan(self, recent_TLE, current):
+        from ..benchmarks.eplb_baseline import eplb_style_plan
+
+        return eplb_style_plan(recent_TLE.mean(axis=0), self.topology)
+
+
+class MoebalancePeriodic(_Periodic):
+    """moebalance's planner every ``every`` steps.
+
+    Args:
+        every, window: steps between re-plans, steps averaged (default ``every``).
+        max_moves: at most this many expert copies per re-plan (None: no cap).
+        move_cost: a :class:`~moebalance.planner.MoveCost` pricing moves (see
+            :func:`~moebalance.simulation.move_price` for one from the cluster); None: no price.
+        resplit: re-split each step's tokens over the replicas.
+    """
+
+    def __init__(self, every: int, window: int | None = None, *, max_moves: int | None = None,
+                 move_cost: MoveCost | None = None, resplit: bool = False) -> None:
+        super().__init__(every, window)
+        if max_moves is not None and (isinstance(max_moves, bool) or int(max_moves) != max_moves
+                                      or max_moves < 0):
+            raise ValueError(f"max_moves must be an integer >= 0 or None, got {max_moves!r}")
+        self.max_moves, self.move_cost, self.resplit = max_moves, move_cost, bool(resplit)
+        limit = (f", <= {max_moves} moves" if max_moves is not None
+                 else ", priced moves" if move_cost is not None else "")
+        self.name = f"moebalance every {self.every}{limit}" + (" + re-split" if resplit else "")
+
+    def _plan(self, recent_TLE, current):
+        loads = recent_TLE.mean(axis=0)
+        if current is None:
+            return plan(loads, self.topology, spread=recent_TLE)
+        return plan(loads, self.topology, previous=current, max_moves=self.max_moves,
+                    move_cost=self.move_cost, spread=recent_TLE)
+
+
+class Oracle(Policy):
+    name = "oracle (bound)"
+    migration = "free"
+    oracle = True
+
+    def start(self, history_TLE):
+        return None
+
+
+def default_policies(every: int, window: int | None, move_cost: MoveCost | None,
+                     max_moves: int | None = None) -> list[Policy]:
+    """The five rows of ``moebalance simulate``: static, EPLB periodic, moebalance periodic with
+    and without the per-step re-split, and the oracle."""
+    return [StaticUniform(), EPLBPeriodic(every, window),
+            MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost),
+            MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
+                               resplit=True),
+            Oracle()]
