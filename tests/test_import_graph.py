@@ -23,7 +23,9 @@ GROUND_FLOOR = {f"{PACKAGE}.{name}" for name in (
 # ... and the top floor is imported by nothing below it but the package's public face
 # (moebalance/__init__.py exports warm_up) and ``python -m moebalance``.
 TOP_FLOOR_MODULES = {f"{PACKAGE}.{name}" for name in ("warmup", "cli", "cli_args", "__main__")}
-TOP_FLOOR_PACKAGES = (f"{PACKAGE}.benchmarks",)
+# The simulator is a tool like the benchmarks: it runs the planner, EPLB's method and the
+# command-line helpers, and nothing below imports it.
+TOP_FLOOR_PACKAGES = (f"{PACKAGE}.benchmarks", f"{PACKAGE}.simulation")
 FACES = {PACKAGE, f"{PACKAGE}.__main__"}
 
 

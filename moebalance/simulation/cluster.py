@@ -149,6 +149,33 @@ class ModelShape:
     sequence_length: int = 4096
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "top_k", "hidden", "ffn", "tokens_per_device",
+                     "num_groups", "sequence_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"ModelShape {self.name!r}: {name} must be an integer >= 1, "
+                                 f"got {value!r}")
+        if self.layers_per_device is not None and (
+                isinstance(self.layers_per_device, bool) or self.layers_per_device < 1):
+            raise ValueError(f"ModelShape {self.name!r}: layers_per_device must be an integer "
+                             f">= 1 or None (every layer), got {self.layers_per_device!r}")
+        if self.top_k > self.num_experts or self.num_experts % self.num_groups:
+            raise ValueError(f"ModelShape {self.name!r}: needs top_k <= num_experts and "
+                             f"num_groups dividing num_experts, got top_k {self.top_k}, "
+                             f"{self.num_experts} experts in {self.num_groups} groups")
+        for name in ("activation_bytes", "resident_bytes_per_param", "moved_bytes_per_param",
+                     "expert_memory_fraction", "remote_copies_per_pair",
+                     "non_moe_flops_per_token", "redundancy"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"ModelShape {self.name!r}: {name} must be a finite number "
+                                 f">= 0, got {value!r}")
+        if not 0 < self.expert_memory_fraction <= 1:
+            raise ValueError(f"ModelShape {self.name!r}: expert_memory_fraction is a share of "
+                             f"device memory in (0, 1], got {self.expert_memory_fraction!r}")
+
     @property
     def expert_params(self) -> int:
         return 3 * self.hidden * self.ffn

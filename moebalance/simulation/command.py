@@ -58,10 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int_arg, metavar="N",
                         help="steps of history a re-plan averages (default: --every)")
     parser.add_argument("--max-moves", type=nonneg_int_arg, metavar="N",
-                        help="cap moebalance's moves per re-plan at N instead of pricing them")
-    parser.add_argument("--no-move-price", action="store_true",
-                        help="moebalance re-plans without a move price (moves only where a layer "
-                             "is off its fresh-plan balance)")
+                        help="cap moebalance's moves per re-plan at N")
+    parser.add_argument("--move-price", action="store_true",
+                        help="price moebalance's moves: a move is made only when the step time "
+                             "it saves until the next re-plan exceeds its transfer over the "
+                             "slowest network link (default: no price; live moves hide behind "
+                             "the step, and a layer moves only when it is off its fresh-plan "
+                             "balance)")
     parser.add_argument("--skew", default="moderate", choices=("moderate", "heavy"),
                         help="base popularity of the generated trace (default moderate)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
@@ -84,6 +87,15 @@ def _clusters(spec: str) -> list[Cluster]:
     if not out:
         raise UsageError("--cluster needs at least one preset name or file")
     return out
+
+
+def _step_model(cluster: Cluster, model):
+    from .stepmodel import StepModel
+
+    try:
+        return StepModel(cluster, model)
+    except ValueError as err:
+        raise UsageError(f"--cluster {cluster.name}: {err}") from None
 
 
 def _trace_for(args, cluster: Cluster, model, steps: int, warmup: int):
@@ -161,11 +173,10 @@ def _plot(sim, path: Path) -> None:
     ax = axes[1, 1]
     speed = sim.topology.speed
     G = speed.size
-    width = 0.8 / len(sim.runs)
-    for i, run in enumerate(sim.runs):
+    for run in sim.runs:
         balanced = run.layer_loads.sum() * speed / speed.sum()
-        ax.bar(np.arange(G) + i * width, run.layer_loads / np.maximum(balanced, 1e-300),
-               width=width, label=run.name)
+        ax.step(np.arange(G), run.layer_loads / np.maximum(balanced, 1e-300), where="mid",
+                lw=0.9, label=run.name)
     ax.axhline(1.0, color="k", lw=0.6)
     ax.set(xlabel="device", ylabel="load / its speed's share",
            title=f"per-device load, layer {sim.shown_layer} (mean over steps)")
@@ -182,11 +193,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from ..benchmarks.report import format_markdown, format_text, machine_info, markdown_header
     from .policies import default_policies
     from .run import move_price, simulate
-    from .stepmodel import StepModel
 
-    if args.max_moves is not None and args.no_move_price:
-        raise UsageError("--max-moves replaces the move price already; give one of --max-moves "
-                         "and --no-move-price")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -206,13 +213,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     results, md = [], markdown_header("moebalance simulate", info)
     for cluster in clusters:
         started = time.perf_counter()
+        if args.trace == "generated":        # a model that does not fit fails before any work
+            _step_model(cluster, base_model)
         counts, model, what = _trace_for(args, cluster, base_model, steps, window)
-        try:
-            step_model = StepModel(cluster, model)
-        except ValueError as err:
-            raise UsageError(f"--cluster {cluster.name}: {err}") from None
-        price = None if (args.no_move_price or args.max_moves is not None) else \
-            move_price(step_model, every, model.num_layers)
+        step_model = _step_model(cluster, model)
+        price = move_price(step_model, every, model.num_layers) if args.move_price else None
         policies = default_policies(every, window, price, args.max_moves)
         simulated = counts.shape[0] - window
         if args.layer is not None and args.layer >= model.num_layers:

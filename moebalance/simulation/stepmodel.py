@@ -60,6 +60,8 @@ class StepModel:
         self.inter_bw_G = cluster.kind_array("inter_bandwidth")
         self.node_G = np.asarray(cluster.nodes, dtype=np.int64)
         self.node_size_G = np.bincount(self.node_G)[self.node_G].astype(np.float64)
+        self.node_onehot_GN = np.zeros((G, int(self.node_G.max()) + 1))
+        self.node_onehot_GN[np.arange(G), self.node_G] = 1.0
         self.pairs = float(G * model.tokens_per_device * model.top_k)
         single_node = self.node_size_G == G
         self.latency_G = (np.where(self.node_size_G > 1, cluster.kind_array("intra_latency"), 0.0)
@@ -75,8 +77,7 @@ class StepModel:
     def all_to_all_seconds(self, loads_TLG: np.ndarray) -> np.ndarray:
         """[T, L] the four exchanges of each layer, set by the slowest device."""
         G, m = self.G, self.model
-        node_load = np.stack([loads_TLG[..., self.node_G == n].sum(axis=-1)
-                              for n in range(self.node_G.max() + 1)], axis=-1)
+        node_load = loads_TLG @ self.node_onehot_GN                             # [T, L, N]
         on_node = node_load[..., self.node_G]                                   # [T, L, G]
         send_intra = (on_node - loads_TLG) / G
         send_inter = (self.pairs - on_node) / G
