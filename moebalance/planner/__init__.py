@@ -86,8 +86,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             the step time they save until the next re-plan exceeds the time they take.
         spread: how the loads move from step to step: the per-step counts [T, L, E] of the
             window the loads were averaged over. A fresh plan then also plans for the loads
-            plus one and two standard deviations, and with the most volatile experts as ring
-            valves, and each layer keeps the candidate whose replicas, re-split step by step
+            plus one and two standard deviations, with the most volatile experts as ring
+            valves, and with EPLB's replica counts (heavy experts split evenly, optimal
+            shares), and each layer keeps the candidate whose replicas, re-split step by step
             (as the dispatcher's per-step re-split does), finish the window's steps earliest
             on average.
         tolerance: with ``previous``, a layer is left alone while its imbalance is within
@@ -178,8 +179,17 @@ def _spread_aware(k, w, counts_TLE, topology: Topology, polish: int, phy2log, sh
     best_p, best_s = phy2log.copy(), share.copy()
     best_t = k.step_times(counts_TLE, phy2log, share, topology.speed, topology.slot_device,
                           algorithm.MAX_SWEEPS)
-    for loads, vol in ((w, std), (w + std, w + std), (w + 2.0 * std, w + 2.0 * std)):
-        p, s = _fresh(k, loads, vol, topology, polish)
+    candidates = [lambda: _fresh(k, w, std, topology, polish)]
+    candidates += [lambda x=x: _fresh(k, x, x, topology, polish) for x in (w + std, w + 2.0 * std)]
+    # Replicas that split the heavy experts evenly (EPLB's replica counts, with optimal shares):
+    # not the closest fit of the mean, but small pieces, which loads that drift and burst
+    # spread better over the devices.
+    candidates += [lambda attempt=attempt: k.plan_packed(
+        w, attempt, topology.speed, topology.slots, topology.node, topology.slot_offsets,
+        topology.slot_device, 0, algorithm.MAX_SWEEPS)
+        for attempt in range(1 if topology.is_homogeneous else 2)]
+    for candidate in candidates:
+        p, s = candidate()
         # shares for the mean load: the candidates differ in their replicas only
         load = np.stack([k.device_loads(w[i], p[i], s[i], topology.slot_device,
                                         topology.num_devices) for i in range(w.shape[0])])

@@ -1084,25 +1084,55 @@ def plan_fresh(loads, order_LE, vol_LE, speed, slots, node, slot_offsets, slot_d
                     share[layer] = trial_s
         if best_ratio <= exact:
             continue
-        per_slot = 0.0
-        per_device = 0.0
-        for g in range(G):
-            per_slot = max(per_slot, total * speed[g] / total_speed / slots[g])
-            per_device = max(per_device, total * speed[g] / total_speed)
         for attempt in range(1 if alike else 2):
-            r = replica_counts(w, S, G, per_slot if attempt == 0 else per_device)
-            trial_p[:] = -1
-            pack_replicas(w, r, speed, slots, node, slot_offsets, trial_p, trial_s, True, True)
-            add_valves(w, r, speed, slots, slot_offsets, trial_p, trial_s, slot_device)
-            load = device_loads(w, trial_p, trial_s, slot_device, G)
-            balance_shares(w, speed, slot_device, trial_p, trial_s, load, max_sweeps)
-            improve_layer(w, speed, slot_device, slot_offsets, trial_p, trial_s, load,
-                          total / total_speed * (1.0 + 1e-6), improve_moves, max_sweeps)
-            ratio = max_time(load, speed) * total_speed / total if total > 0.0 else 1.0
+            ratio = pack_layer(w, attempt, speed, slots, node, slot_offsets, slot_device,
+                               improve_moves, max_sweeps, trial_p, trial_s)
             if ratio < best_ratio:
                 best_ratio = ratio
                 phy2log[layer] = trial_p
                 share[layer] = trial_s
+    return phy2log, share
+
+
+@kernel
+def pack_layer(w, attempt, speed, slots, node, slot_offsets, slot_device, improve_moves,
+               max_sweeps, out_p, out_s):
+    """The packing of replica counts for one layer into ``out_p``/``out_s`` [S]; returns its
+    hottest time over the ideal. ``attempt`` 0 splits heavy experts until no piece exceeds
+    what one slot should carry; 1 splits only experts larger than a whole device (the rest
+    become valves). Optimal shares, then up to ``improve_moves`` improving moves."""
+    G = speed.shape[0]
+    S = slot_device.shape[0]
+    total = w.sum()
+    total_speed = speed.sum()
+    cap = 0.0
+    for g in range(G):
+        if attempt == 0:
+            cap = max(cap, total * speed[g] / total_speed / slots[g])
+        else:
+            cap = max(cap, total * speed[g] / total_speed)
+    r = replica_counts(w, S, G, cap)
+    out_p[:] = -1
+    pack_replicas(w, r, speed, slots, node, slot_offsets, out_p, out_s, True, True)
+    add_valves(w, r, speed, slots, slot_offsets, out_p, out_s, slot_device)
+    load = device_loads(w, out_p, out_s, slot_device, G)
+    balance_shares(w, speed, slot_device, out_p, out_s, load, max_sweeps)
+    improve_layer(w, speed, slot_device, slot_offsets, out_p, out_s, load,
+                  total / total_speed * (1.0 + 1e-6), improve_moves, max_sweeps)
+    return max_time(load, speed) * total_speed / total if total > 0.0 else 1.0
+
+
+@kernel
+def plan_packed(loads, attempt, speed, slots, node, slot_offsets, slot_device, improve_moves,
+                max_sweeps):
+    """:func:`pack_layer` for every layer: (phy2log [L,S], share [L,S])."""
+    L = loads.shape[0]
+    S = slot_device.shape[0]
+    phy2log = np.empty((L, S), dtype=np.int64)
+    share = np.empty((L, S), dtype=np.float64)
+    for layer in range(L):
+        pack_layer(loads[layer], attempt, speed, slots, node, slot_offsets, slot_device,
+                   improve_moves, max_sweeps, phy2log[layer], share[layer])
     return phy2log, share
 
 

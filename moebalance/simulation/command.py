@@ -120,7 +120,12 @@ def _trace_for(args, cluster: Cluster, model, steps: int, warmup: int):
                          f"{warmup} steps of history a re-plan needs: lower --window/--every")
     if args.steps is not None:
         counts = counts[:warmup + args.steps]
-    return counts, model.with_trace_shape(counts.shape[1], counts.shape[2]), what
+    try:
+        shaped = model.with_trace_shape(counts.shape[1], counts.shape[2])
+    except ValueError as err:
+        raise UsageError(f"--trace {args.trace!r} ({counts.shape[1]} layers x {counts.shape[2]} "
+                         f"experts) does not suit --model {model.name}: {err}") from None
+    return counts, shaped, what
 
 
 COLUMNS = ["policy", "tokens/s", "vs EPLB", "mean step (s)", "p99 step (s)", "imbalance",

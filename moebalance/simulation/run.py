@@ -181,33 +181,44 @@ def simulate(counts_TLE: np.ndarray, cluster: Cluster, model: ModelShape,
                       first_step=warmup, shown_layer=shown_layer, trace=trace)
 
 
+# Steps whose device loads [steps, L, G] are held at once (bounds memory at 1024 devices).
+CHUNK_STEPS = 64
+
+
 def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: StepModel,
                 shown_layer: int, progress) -> PolicyRun:
     T, L, _ = w_TLE.shape
     topology = step_model.topology
     current = policy.start(w_TLE[:warmup])
     start_plan = sum(policy.plan_seconds)
-    # The steps at which the placement changes, found first: loads then go stretch by stretch.
-    changes: list[tuple[int, Placement, Placement | None]] = []
+    # The steps at which the placement changes come first: loads then go stretch by stretch.
+    changes: list[tuple[int, Placement, Placement | None, float]] = []
     placements = {warmup: current}
     for t in range(warmup + 1, T):
+        planned = len(policy.plan_seconds)
         new = policy.step(t, w_TLE[:t], current)
         if new is not None:
-            changes.append((t, new, current))
+            changes.append((t, new, current, sum(policy.plan_seconds[planned:])))
             placements[t] = current = new
+    n = T - warmup
+    layer_terms = {k: np.empty((n, L)) for k in ("expert_compute", "all_to_all", "non_moe")}
+    imbalance = np.empty(n)
+    shown = np.zeros(topology.num_devices)
     bounds = sorted(placements) + [T]
-    loads = np.empty((T - warmup, L, topology.num_devices))
     for begin, end in zip(bounds[:-1], bounds[1:]):
-        loads[begin - warmup:end - warmup] = _device_loads(policy, w_TLE[begin:end],
-                                                           placements[begin], topology)
+        for lo in range(begin, end, CHUNK_STEPS):
+            hi = min(lo + CHUNK_STEPS, end)
+            loads = _device_loads(policy, w_TLE[lo:hi], placements[begin], topology)
+            for k, v in step_model.layer_terms(loads).items():
+                layer_terms[k][lo - warmup:hi - warmup] = v
+            imbalance[lo - warmup:hi - warmup] = step_model.imbalance(loads)
+            shown += loads[:, shown_layer].sum(axis=0)
         if progress is not None:
             progress(end - begin)
-    layer_terms = step_model.layer_terms(loads)                                # each [T', L]
     terms = {k: v.sum(axis=1) for k, v in layer_terms.items()}
-    terms["migration"] = np.zeros(T - warmup)
+    terms["migration"] = np.zeros(n)
     replans = []
-    for (t, new, old), plan_seconds in zip(changes, policy.plan_seconds[len(policy.plan_seconds)
-                                                                        - len(changes):]):
+    for t, new, old, plan_seconds in changes:
         stage_seconds, nbytes, moves = step_model.migration(old, new)
         exposed = step_model.exposed_migration(
             stage_seconds, {k: v[t - warmup] for k, v in layer_terms.items()}, policy.migration)
@@ -215,6 +226,5 @@ def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: Step
         replans.append({"step": t, "plan_seconds": plan_seconds, "moves": moves, "bytes": nbytes,
                         "seconds": float(stage_seconds.max()), "exposed": exposed})
     return PolicyRun(name=policy.name, step_seconds=sum(terms.values()), terms=terms,
-                     imbalance=step_model.imbalance(loads), replans=replans,
-                     layer_loads=loads[:, shown_layer].mean(axis=0),
+                     imbalance=imbalance, replans=replans, layer_loads=shown / n,
                      start_plan_seconds=start_plan)
