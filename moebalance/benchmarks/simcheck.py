@@ -63,6 +63,7 @@ from torch import nn
 
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from .report import format_markdown, format_text, machine_info, markdown_header
+from .train import timed
 
 __all__ = ["pair_counts", "trace_topk_ids", "TraceRouter", "CoreShare", "calibration_cluster",
            "load_calibration", "main"]
@@ -288,23 +289,6 @@ def load_calibration(path: str | Path):
 # -- the ranks ------------------------------------------------------------------------------------
 
 
-def _slowest(seconds: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _timed(fn) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return _slowest(time.perf_counter() - start)
-
-
 class _Stack(nn.Module):
     """L MoE layers with residual connections: ``x <- x + moe_l(x)``."""
 
@@ -401,7 +385,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
         send = torch.randn(world * r, D)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send)
-        seconds = statistics.median(_timed(lambda: dist.all_to_all_single(recv, send))
+        seconds = statistics.median(timed(lambda: dist.all_to_all_single(recv, send))
                                     for _ in range(cfg["a2a_reps"]))
         points.append(((world - 1) * r * D * ACTIVATION_BYTES, seconds))
     b, s = np.array(points).T
@@ -414,7 +398,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
     placement = mb.plan(uniform[0], topology)
     trainer = _Trainer(rank, world, cfg, uniform, placement, False, share)
     trainer.step(0)
-    seconds = statistics.median(_timed(lambda t=t: trainer.step(t))
+    seconds = statistics.median(timed(lambda t=t: trainer.step(t))
                                 for t in range(1, uniform.shape[0]))
     figures = {"flops": flops, "bandwidth": bandwidth, "latency": latency,
                "non_moe_flops_per_token": 0.0}
@@ -515,7 +499,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
                     else:
                         trainer.step(t)
 
-                steps_s[i][t] = _timed(step)
+                steps_s[i][t] = timed(step)
     rows = [None] * world
     dist.all_gather_object(rows, [tr.rows for tr in trainers])
     if rank == 0:

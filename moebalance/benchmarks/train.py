@@ -85,6 +85,26 @@ def moved_placement(current, fraction: float, rng: np.random.Generator):
     return Placement(phy2log, current.share, current.slot_device, current.num_experts).validate()
 
 
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def timed(fn) -> float:
+    """Seconds of ``fn()`` on the slowest rank, ranks aligned by an untimed barrier first."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return slowest(time.perf_counter() - start)
+
+
 def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -112,17 +132,6 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         optimizer.zero_grad()
         lm_loss(model(batch[:, :-1]), batch[:, 1:], tokens).backward()
         optimizer.step()
-
-    def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        return slowest(time.perf_counter() - start)
 
     for _ in range(cfg["warmup"]):
         train_step()

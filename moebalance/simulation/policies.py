@@ -28,6 +28,7 @@ Legend: T steps, L layers, E experts.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -39,7 +40,7 @@ __all__ = ["Policy", "StaticUniform", "EPLBPeriodic", "MoebalancePeriodic", "Ora
            "default_policies"]
 
 
-class Policy:
+class Policy(ABC):
     """What the simulator asks of a policy.
 
     Attributes:
@@ -63,9 +64,9 @@ class Policy:
         self.plan_seconds = []
         return self
 
+    @abstractmethod
     def start(self, history_TLE: np.ndarray) -> Placement | None:
         """The placement in service at the first simulated step, from the warm-up steps."""
-        raise NotImplementedError
 
     def step(self, t: int, history_TLE: np.ndarray, current: Placement | None) -> Placement | None:
         """A new placement from step ``t`` on, or None; ``history_TLE`` = steps before ``t``."""
@@ -107,8 +108,9 @@ class _Periodic(Policy):
             return None
         return self._timed(lambda: self._plan(self._recent(history_TLE), current))
 
+    @abstractmethod
     def _plan(self, recent_TLE: np.ndarray, current: Placement | None) -> Placement:
-        raise NotImplementedError
+        """A placement for the ``window`` steps ``recent_TLE``, ``current`` the one in service."""
 
 
 class EPLBPeriodic(_Periodic):
