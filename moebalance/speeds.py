@@ -65,10 +65,10 @@ class _Mark:
 class _BackwardWindow:
     """The two ends of one expert call's backward, filled in by the autograd marks."""
 
-    __slots__ = ("start", "rows")
+    __slots__ = ("start", "rows", "timed")
 
     def __init__(self, rows: int) -> None:
-        self.start, self.rows = None, rows
+        self.start, self.rows, self.timed = None, rows, False
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -120,15 +120,18 @@ class ExpertTimer:
         """Open a window on the rows ``x_MD [M, D]``; returns them (marked for backward)."""
         window = _BackwardWindow(int(x_MD.shape[0]))
         self._open.append((_Mark(x_MD.device), window))
+        # Rows that need no gradient (the input of a first layer) leave no point at which the
+        # experts' backward is known to end: that layer's backward goes untimed.
         if x_MD.requires_grad:
             x_MD = _BackwardEnd.apply(x_MD, self, window)
+            window.timed = True
         return x_MD
 
     def end(self, y_MD: torch.Tensor) -> torch.Tensor:
         """Close the window :meth:`begin` opened; returns ``y_MD [M, D]`` (marked for backward)."""
         start, window = self._open.pop()
         self._pending.append((start, _Mark(y_MD.device), float(window.rows)))
-        if y_MD.requires_grad:
+        if window.timed and y_MD.requires_grad:
             y_MD = _BackwardStart.apply(y_MD, self, window)
         return y_MD
 
