@@ -304,7 +304,8 @@ class SpeedTracker:
         saving_s = (self.expert_s or 0.0) * max(0.0, 1.0 - after / before) * self.horizon
         moves = new.moves_from(current)
         price_s = moves * self._move_price(rebalancer.history)
-        replan = moves > 0 and saving_s > price_s
+        # A plan that only re-weights shares moves nothing: its price is zero.
+        replan = new != current and saving_s > price_s
         self.decisions.append({"step": rebalancer.steps, "speeds": measured.speed.tolist(),
                                "imbalance_now": before, "imbalance_planned": after,
                                "saving_s": saving_s, "moves": moves, "price_s": price_s,
