@@ -7,6 +7,7 @@ from .topology import Device, Topology
 from .tracker import LoadTracker, attach
 from .dispatch import Dispatcher
 from .nn import ExpertParallelMoE
+from .speeds import SpeedTracker
 from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
                            reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
@@ -17,7 +18,7 @@ __all__ = [
     "Device", "Topology", "Placement",
     "imbalance", "balancedness", "summary_imbalance",
     "backends", "force_backend", "using_backend", "warm_up",
-    "LoadTracker", "attach",
+    "LoadTracker", "attach", "SpeedTracker",
     "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
     "reduce_replica_gradients", "clip_grad_norm_", "plan_migration", "MigrationError",
     "__version__",

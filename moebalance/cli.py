@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
-SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck")
+SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck", "straggler")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:

@@ -348,6 +348,9 @@ class ExpertParallelMoE(ExpertSlots):
                          group_params=list(self.router.parameters()) if self.sync_router else ())
         self.reset_parameters(seed)
 
+    # Times the expert computation when set (:class:`moebalance.speeds.ExpertTimer`).
+    expert_timer = None
+
     def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [("experts.gate_up", self.experts.gate_up), ("experts.down", self.experts.down)]
 
@@ -403,7 +406,12 @@ class ExpertParallelMoE(ExpertSlots):
         _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
                                                    self.layer)
+        timer = self.expert_timer           # a SpeedTracker's, when one times this layer
+        if timer is not None:
+            recv_MD = timer.begin(recv_MD)
         y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
+        if timer is not None:
+            y_MD = timer.end(y_MD)
         return self.dispatcher.combine(y_MD, handle).reshape(hidden_states.shape)
 
     # -- gradient sync --------------------------------------------------------------------------

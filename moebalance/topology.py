@@ -1,12 +1,15 @@
 """Devices and the cluster they form: speed, expert slots and node of every device.
 
-G devices, S = sum of their slots. Slots are numbered device by device in device order, so device
+By hand, from a preset, or measured on the running job (:meth:`Topology.measure`, see
+:mod:`moebalance.measure`); saved and loaded as JSON. G devices, S = sum of their slots. Slots are numbered device by device in device order, so device
 ``g`` owns slots ``slot_offsets[g] : slot_offsets[g + 1]``.
 """
 
 from __future__ import annotations
 
+import json
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,6 +58,8 @@ class Topology:
     Array views (read-only numpy):
         speed [G] float64, slots [G] int64, node [G] int64,
         slot_device [S] int64 (device of each slot), slot_offsets [G+1] int64.
+        speed_spread [G] float64 or None: for measured speeds, each one's relative spread
+        (interquartile range of the repeated timings over their median); not compared by ``==``.
     """
 
     devices: tuple[Device, ...]
@@ -63,8 +68,9 @@ class Topology:
     node: np.ndarray = field(init=False, repr=False, compare=False)
     slot_device: np.ndarray = field(init=False, repr=False, compare=False)
     slot_offsets: np.ndarray = field(init=False, repr=False, compare=False)
+    speed_spread: np.ndarray | None = field(init=False, repr=False, compare=False)
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(self, devices: Sequence[Device], speed_spread=None) -> None:
         devices = tuple(devices)
         if len(devices) == 0:
             raise ValueError("Topology(devices=...) needs at least one Device")
@@ -84,6 +90,15 @@ class Topology:
                           ("slot_offsets", offsets), ("slot_device", slot_device)):
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
+        if speed_spread is not None:
+            speed_spread = np.array(speed_spread, dtype=np.float64).reshape(-1)
+            if speed_spread.shape != speed.shape or not np.all(np.isfinite(speed_spread)) \
+                    or np.any(speed_spread < 0):
+                raise ValueError(f"Topology(speed_spread=...) must give a finite spread >= 0 for "
+                                 f"each of the {len(devices)} devices, or be None; got "
+                                 f"{speed_spread.tolist()!r}")
+            speed_spread.setflags(write=False)
+        object.__setattr__(self, "speed_spread", speed_spread)
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -102,8 +117,24 @@ class Topology:
                     for g in range(int(num_devices))])
 
     @classmethod
-    def from_arrays(cls, speed, slots, node=None) -> "Topology":
-        """Build from per-device arrays ``speed [G]``, ``slots [G]`` and optional ``node [G]``."""
+    def measure(cls, group=None, layer=None, **options) -> "Topology":
+        """Measure the devices of ``group`` (a collective: call it on every rank).
+
+        Each rank times its expert arithmetic (``layer``'s experts, or SwiGLU experts of the
+        given ``hidden_size`` / ``ffn_hidden_size``), reads the memory it can give to expert
+        slots and its node; every rank returns the same Topology, its speeds relative to the
+        fastest device, with ``speed_spread``. See :func:`moebalance.measure.measure_devices`
+        for ``options``.
+        """
+        from .measure import measure_devices
+
+        m = measure_devices(group, layer, **options)
+        return cls.from_arrays(m["speed"], m["slots"], m["node"], m["speed_spread"])
+
+    @classmethod
+    def from_arrays(cls, speed, slots, node=None, speed_spread=None) -> "Topology":
+        """Build from per-device arrays ``speed [G]``, ``slots [G]``, optional ``node [G]`` and
+        ``speed_spread [G]``."""
         speed = np.asarray(speed, dtype=np.float64).reshape(-1)
         slots = np.asarray(slots).reshape(-1)
         node = np.zeros(len(speed), dtype=np.int64) if node is None else np.asarray(node).reshape(-1)
@@ -113,14 +144,42 @@ class Topology:
                 f"{len(speed)}, {len(slots)}, {len(node)}"
             )
         return cls([Device(speed=float(s), slots=k.item(), node=n.item())
-                    for s, k, n in zip(speed, slots, node)])
+                    for s, k, n in zip(speed, slots, node)], speed_spread=speed_spread)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Topology":
-        return cls.from_arrays(data["speed"], data["slots"], data.get("node"))
+        if not isinstance(data, dict) or not {"speed", "slots"} <= set(data):
+            raise ValueError("a topology's dict needs 'speed' and 'slots' lists (optional 'node', "
+                             "'speed_spread'), as Topology.to_dict writes it")
+        return cls.from_arrays(data["speed"], data["slots"], data.get("node"),
+                               data.get("speed_spread"))
 
     def to_dict(self) -> dict:
-        return {"speed": self.speed.tolist(), "slots": self.slots.tolist(), "node": self.node.tolist()}
+        out = {"speed": self.speed.tolist(), "slots": self.slots.tolist(),
+               "node": self.node.tolist()}
+        if self.speed_spread is not None:
+            out["speed_spread"] = self.speed_spread.tolist()
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write to ``path`` as JSON (:meth:`load` reads it back, spreads included)."""
+        text = json.dumps({"kind": "moebalance.Topology", "version": 1, **self.to_dict()}, indent=1)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Topology":
+        """The topology :meth:`save` wrote to ``path``."""
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{os.fspath(path)} is not a saved moebalance Topology (not JSON: "
+                                 f"{exc})") from None
+        if not isinstance(data, dict) or data.get("kind") != "moebalance.Topology":
+            raise ValueError(f"{os.fspath(path)} is not a saved moebalance Topology (the JSON file "
+                             f"Topology.save writes)")
+        return cls.from_dict(data)
 
     # -- sizes --------------------------------------------------------------------------------
 

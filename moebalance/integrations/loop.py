@@ -58,6 +58,17 @@ def _optional_positive(value, name: str):
     return int(value)
 
 
+def _speed_tracker(speeds, model):
+    from ..speeds import SpeedTracker
+
+    if speeds is None:
+        return None
+    if not isinstance(speeds, SpeedTracker):
+        raise TypeError(f"speeds must be a moebalance.SpeedTracker or None, got "
+                        f"{type(speeds).__name__}")
+    return speeds.attach(model)
+
+
 class Rebalancer:
     """Re-plan and migrate the expert-parallel layers of ``model`` while it trains.
 
@@ -80,6 +91,10 @@ class Rebalancer:
         on_failure: "warn" (log, keep training on the placement the layers hold, retry at the
             next trigger) or "raise" (raise the MigrationError from ``step()`` on every rank).
         plan_options: extra keywords for :func:`moebalance.plan`.
+        speeds: a :class:`moebalance.SpeedTracker` to follow the devices' measured speeds: it
+            times the layers' experts every step, and at its checks the Rebalancer re-plans on
+            the measured speeds when that saves more step time than the moves cost (the
+            report's ``speeds`` holds them; ``topology`` becomes the measured one).
     """
 
     def __init__(self, model: nn.Module, topology: Topology, optimizer=None, every: int | None = 200,
@@ -87,7 +102,7 @@ class Rebalancer:
                  max_moves: int | None = None, tracker: LoadTracker | None = None,
                  blocking: bool = False, timeout_s: float = 60.0,
                  max_bytes_in_flight: int | None = None, on_failure: str = "warn",
-                 plan_options: dict | None = None) -> None:
+                 plan_options: dict | None = None, speeds=None) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} holds no expert-parallel layer; build the "
@@ -102,7 +117,7 @@ class Rebalancer:
         self.every = _optional_positive(every, "every")
         if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 1.0):
             raise ValueError(f"threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, got {threshold!r}")
-        if self.every is None and threshold is None:
+        if self.every is None and threshold is None and speeds is None:
             raise ValueError("give every=N steps, threshold=imbalance, or both; with neither the "
                              "Rebalancer never re-plans")
         self.threshold = None if threshold is None else float(threshold)
@@ -144,6 +159,7 @@ class Rebalancer:
         self._migration = None
         self._report: dict | None = None
         self._last_replan = 0
+        self.speeds = _speed_tracker(speeds, model)
 
     def _tracker_rows(self) -> list[tuple[int, int]]:
         """(tracker layer, placement layer) for every ExpertParallelMoE layer."""
@@ -166,9 +182,20 @@ class Rebalancer:
         when this step started one, else None."""
         self.steps += 1
         self.last_counts = self.tracker.step()    # [L_tracked, E] of the step just closed, this rank
+        if self.speeds is not None:
+            self.speeds.step(self.group)
         self._check_migration()
         if self._migration is not None:
             return None                         # one migration at a time
+        if self.speeds is not None:
+            measured = self.speeds.check(self)
+            if measured is not None:
+                self.topology, loads = measured
+                current = current_placement(self.model)
+                report = self._replan(loads, current,
+                                      summary_imbalance(loads, current, self.topology))
+                report["speeds"] = self.topology.speed.tolist()
+                return report
         since = self.steps - self._last_replan
         due = self.every is not None and since >= self.every
         check = self.threshold is not None and self.steps % self.check_every == 0

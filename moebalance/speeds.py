@@ -1,0 +1,330 @@
+"""Device speeds as the running job sees them: measured once, and tracked step by step.
+
+Two ways to learn each rank's expert speed (relative tokens/s, the ``speed`` of a
+:class:`~moebalance.Topology`):
+
+* :meth:`moebalance.Topology.measure` (:mod:`moebalance.measure`, a collective) at the start:
+  every rank times its expert arithmetic at the layer's shape and dtype, reads its memory for
+  expert slots and its node, and every rank builds the same Topology.
+* :class:`SpeedTracker` (``mb.Rebalancer(..., speeds=SpeedTracker())``): the layers' expert
+  computation is timed every step by an :class:`ExpertTimer` (events recorded in the step and
+  read at a later one once complete: no host sync on the GPU path; ``perf_counter`` on CPUs),
+  every ``every`` steps the ranks exchange their per-step figures, a smoothed per-rank speed
+  follows the job, and :meth:`SpeedTracker.check` tells the Rebalancer when the speeds moved
+  enough that re-planning saves more step time than the moves cost.
+
+Work is counted in expert rows: a forward row is 1, the backward of a row 2 (two GEMMs of the
+forward's size per forward GEMM), so a step's speed ``work / seconds`` is comparable whatever
+mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .topology import Device, Topology
+
+__all__ = ["ExpertTimer", "SpeedTracker"]
+
+log = logging.getLogger("moebalance")
+
+BACKWARD_WORK = 2.0   # work units of a row's backward (dgrad + wgrad GEMMs) per forward row
+
+
+# -- the per-step timer -----------------------------------------------------------------------
+
+
+class _Mark:
+    """One point in time: a CUDA event recorded on the current stream, or ``perf_counter``."""
+
+    __slots__ = ("event", "wall")
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record(torch.cuda.current_stream(device))
+            self.wall = None
+        else:
+            self.event, self.wall = None, time.perf_counter()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def seconds_to(self, end: "_Mark") -> float:
+        if self.event is None:
+            return end.wall - self.wall
+        return self.event.elapsed_time(end.event) / 1e3
+
+
+class _BackwardWindow:
+    """The two ends of one expert call's backward, filled in by the autograd marks."""
+
+    __slots__ = ("start", "rows", "timed")
+
+    def __init__(self, rows: int) -> None:
+        self.start, self.rows, self.timed = None, rows, False
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the experts' output; its backward runs first, so it marks the start."""
+
+    @staticmethod
+    def forward(ctx, y, timer, window):
+        ctx.timer, ctx.window = timer, window
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.window.start = _Mark(grad.device)
+        return grad, None, None
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on the experts' input; its backward runs once theirs is done: the end."""
+
+    @staticmethod
+    def forward(ctx, x, timer, window):
+        ctx.timer, ctx.window = timer, window
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        window = ctx.window
+        if window.start is not None:
+            ctx.timer._pending.append((window.start, _Mark(grad.device),
+                                       BACKWARD_WORK * window.rows))
+        return grad, None, None
+
+
+class ExpertTimer:
+    """Times an expert-parallel layer's expert computation, forward and backward.
+
+    :class:`~moebalance.nn.ExpertParallelMoE` calls :meth:`begin` on the rows its slots receive
+    and :meth:`end` on their outputs when its ``expert_timer`` is set (one timer may serve every
+    layer of a model). :meth:`collect` returns the work and seconds of the windows finished
+    since the last call; on a GPU a window whose end event has not completed stays for a later
+    call (``Event.query()``, never a synchronize).
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque = deque()     # (start mark, end mark, work)
+        self._open: list = []              # forward windows: (start mark, rows)
+
+    def begin(self, x_MD: torch.Tensor) -> torch.Tensor:
+        """Open a window on the rows ``x_MD [M, D]``; returns them (marked for backward)."""
+        window = _BackwardWindow(int(x_MD.shape[0]))
+        self._open.append((_Mark(x_MD.device), window))
+        # Rows that need no gradient (the input of a first layer) leave no point at which the
+        # experts' backward is known to end: that layer's backward goes untimed.
+        if x_MD.requires_grad:
+            x_MD = _BackwardEnd.apply(x_MD, self, window)
+            window.timed = True
+        return x_MD
+
+    def end(self, y_MD: torch.Tensor) -> torch.Tensor:
+        """Close the window :meth:`begin` opened; returns ``y_MD [M, D]`` (marked for backward)."""
+        start, window = self._open.pop()
+        self._pending.append((start, _Mark(y_MD.device), float(window.rows)))
+        if window.timed and y_MD.requires_grad:
+            y_MD = _BackwardStart.apply(y_MD, self, window)
+        return y_MD
+
+    def collect(self) -> tuple[float, float]:
+        """(work, seconds) of the windows finished since the last call, in their order."""
+        work = seconds = 0.0
+        while self._pending and self._pending[0][1].ready():
+            start, end, rows = self._pending.popleft()
+            work += rows
+            seconds += start.seconds_to(end)
+        return work, seconds
+
+
+# -- the tracker ------------------------------------------------------------------------------
+
+
+def _fraction(value, name: str, *, low_open: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value) or value > 1 or value < 0 or (low_open and value == 0):
+        raise ValueError(f"{name} must be in {'(0' if low_open else '[0'}, 1], got {value!r}")
+    return value
+
+
+def _whole(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+class SpeedTracker:
+    """Each rank's expert speed, measured every step and smoothed; the Rebalancer's speed trigger.
+
+    Args:
+        every: steps between exchanges of the per-step figures (one all-gather) and speed checks.
+        smoothing: weight of a new step's speed in the exponential average (1: no smoothing).
+        min_change: noise control: the speeds have moved only when some rank's relative speed
+            (speeds over their mean) differs from the topology's by at least this fraction...
+        window: ...at each of the last ``window`` steps (ordinary jitter does not persist).
+            With the defaults (0, 1) any change lets the saving-versus-price test decide.
+        horizon: steps a new placement is expected to serve (the saving is counted over them).
+        move_price_s: seconds one expert move costs the job; None: the seconds per move of the
+            Rebalancer's last finished migration (an upper bound: live migrations overlap the
+            steps), 0 before the first.
+
+    Figures (all ranks hold the same): ``speed`` ([G] smoothed work per second, None before
+    the first exchange), ``expert_s`` (the slowest rank's mean expert seconds per step over the
+    last exchange), ``history`` (one [G] relative speed per step) and ``decisions`` (one dict
+    per check that found the speeds moved: speeds, expected saving and price, re-planned or not).
+    """
+
+    def __init__(self, every: int = 10, *, smoothing: float = 0.3, min_change: float = 0.0,
+                 window: int = 1, horizon: int = 100, move_price_s: float | None = None) -> None:
+        self.every = _whole(every, "every")
+        self.smoothing = _fraction(smoothing, "smoothing")
+        self.min_change = float(min_change)
+        if not np.isfinite(self.min_change) or self.min_change < 0:
+            raise ValueError(f"min_change must be a fraction >= 0 (e.g. 0.1), got {min_change!r}")
+        self.window = _whole(window, "window")
+        self.horizon = _whole(horizon, "horizon")
+        if move_price_s is not None and not (np.isfinite(move_price_s) and move_price_s >= 0):
+            raise ValueError(f"move_price_s must be seconds >= 0 or None, got {move_price_s!r}")
+        self.move_price_s = None if move_price_s is None else float(move_price_s)
+        self.timer = ExpertTimer()
+        self.speed: np.ndarray | None = None
+        self.expert_s: float | None = None
+        self.history: list[np.ndarray] = []
+        self.decisions: list[dict] = []
+        self.steps = 0
+        self._local: list[tuple[float, float]] = []    # this rank's (work, seconds) per step
+
+    def attach(self, model: torch.nn.Module) -> "SpeedTracker":
+        """Time the expert computation of every :class:`~moebalance.nn.ExpertParallelMoE` in
+        ``model``; returns self."""
+        from .nn import ExpertParallelMoE
+
+        layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        if not layers:
+            raise ValueError(f"{type(model).__name__} holds no ExpertParallelMoE layer whose "
+                             f"experts a SpeedTracker can time")
+        for layer in layers:
+            layer.expert_timer = self.timer
+        return self
+
+    def step(self, group=None) -> None:
+        """Close a step: keep this rank's finished timings; every ``every`` steps exchange them
+        (a collective on every rank of ``group``) and update the smoothed speeds."""
+        self.steps += 1
+        self._local.append(self.timer.collect())
+        if self.steps % self.every == 0:
+            self.exchange(group)
+
+    def exchange(self, group=None) -> None:
+        """All-gather the per-step figures since the last exchange and fold them in."""
+        local = np.asarray(self._local, dtype=np.float64).reshape(-1, 2)
+        self._local = []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, local, group=group)
+            steps = min(len(x) for x in everyone)
+            figures_GT2 = np.stack([x[:steps] for x in everyone])
+        else:
+            figures_GT2 = local[None]
+        self.update(figures_GT2)
+
+    def update(self, figures_GT2: np.ndarray) -> None:
+        """Fold in per-step figures ``[G, T, 2]`` (work, seconds) of every rank, step by step.
+
+        A rank without timed work in a step keeps its speed; the average starts at the first
+        step where every rank has one.
+        """
+        figures_GT2 = np.asarray(figures_GT2, dtype=np.float64)
+        work_GT, seconds_GT = figures_GT2[..., 0], figures_GT2[..., 1]
+        timed = (work_GT > 0) & (seconds_GT > 0)
+        if figures_GT2.shape[1]:
+            self.expert_s = float(seconds_GT.max(axis=0).mean())
+        a = self.smoothing
+        for t in range(work_GT.shape[1]):
+            ok = timed[:, t]
+            raw = np.where(ok, work_GT[:, t] / np.where(ok, seconds_GT[:, t], 1.0), np.nan)
+            if self.speed is None:
+                if not ok.all():
+                    continue
+                self.speed = raw
+            else:
+                self.speed = np.where(ok, (1 - a) * self.speed + a * raw, self.speed)
+            self.history.append(self.speed / self.speed.mean())
+
+    def relative(self) -> np.ndarray:
+        """[G] smoothed speeds over the fastest (1.0 for it); raises before the first figures."""
+        if self.speed is None:
+            raise ValueError("no speeds measured yet: call step() for at least `every` steps of "
+                             "training with the tracker attached")
+        return self.speed / self.speed.max()
+
+    def moved(self, reference_G) -> bool:
+        """Whether the smoothed relative speeds differ from ``reference_G [G]`` (e.g. the
+        topology's speeds) by ``min_change`` or more at each of the last ``window`` steps."""
+        if len(self.history) < self.window:
+            return False
+        ref = np.asarray(reference_G, dtype=np.float64)
+        ref = ref / ref.mean()
+        changes = [np.abs(h / ref - 1).max() for h in self.history[-self.window:]]
+        return min(changes) >= self.min_change and max(changes) > 0
+
+    def check(self, rebalancer) -> tuple[Topology, np.ndarray] | None:
+        """At a check step (after :meth:`step`), whether ``rebalancer`` should re-plan for the
+        measured speeds: (new topology, the loads to plan for) if the expected saving over
+        ``horizon`` steps beats the moves' price, else None. Collective when the speeds moved
+        (it reads the reduced loads); every rank decides alike from the same figures."""
+        from .expert_slots import current_placement
+        from .metrics import summary_imbalance
+        from .planner import plan
+
+        if self.steps % self.every or self.speed is None:
+            return None
+        topology = rebalancer.topology
+        if not self.moved(topology.speed):
+            return None
+        measured = Topology([Device(speed=float(s), slots=d.slots, node=d.node)
+                             for s, d in zip(self.relative(), topology.devices)])
+        loads = rebalancer._loads()
+        current = current_placement(rebalancer.model)
+        new = plan(loads, measured, previous=current, max_moves=rebalancer.max_moves,
+                   **rebalancer.plan_options)
+        # Expert time per step is proportional to sum_l max_g(load/speed): the imbalance ratio.
+        before = summary_imbalance(loads, current, measured)
+        after = summary_imbalance(loads, new, measured)
+        saving_s = (self.expert_s or 0.0) * max(0.0, 1.0 - after / before) * self.horizon
+        moves = new.moves_from(current)
+        price_s = moves * self._move_price(rebalancer.history)
+        # A plan that only re-weights shares moves nothing: its price is zero.
+        replan = new != current and saving_s > price_s
+        self.decisions.append({"step": rebalancer.steps, "speeds": measured.speed.tolist(),
+                               "imbalance_now": before, "imbalance_planned": after,
+                               "saving_s": saving_s, "moves": moves, "price_s": price_s,
+                               "replan": replan})
+        log.info("moebalance: step %d measured speeds %s: re-plan would save %.3f s over %d "
+                 "steps for %d moves priced %.3f s -> %s", rebalancer.steps,
+                 np.round(measured.speed, 3).tolist(), saving_s, self.horizon, moves, price_s,
+                 "re-plan" if replan else "keep")
+        return (measured, loads) if replan else None
+
+    def _move_price(self, history: list[dict]) -> float:
+        if self.move_price_s is not None:
+            return self.move_price_s
+        for report in reversed(history):
+            if report.get("migration_s") is not None and report.get("moves"):
+                return float(report["migration_s"]) / report["moves"]
+        return 0.0
+
+    def __repr__(self) -> str:
+        speed = None if self.speed is None else np.round(self.relative(), 3).tolist()
+        return (f"SpeedTracker(every={self.every}, min_change={self.min_change}, "
+                f"window={self.window}, speeds={speed})")
