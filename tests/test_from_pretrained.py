@@ -1,4 +1,4 @@
-"""mb.from_pretrained on 4 gloo ranks: each rank reads only its experts, the model equals the plain one.
+"""mb.from_pretrained on 4 gloo ranks: each rank reads only its experts; the model is the plain one.
 
 Every rank builds the same tiny fp64 model (fixed seed, transformers' eager experts) as the
 single-process reference; rank 0 saves it with transformers' ``save_pretrained`` (per-expert
@@ -211,7 +211,8 @@ def from_pretrained_rejects_bad_input_on_every_rank():
 
 CASES = []
 if importlib.util.find_spec("transformers") is not None:
-    CASES = [_transformers_case("qwen3_moe", "per_expert"), _transformers_case("mixtral", "per_expert"),
+    CASES = [_transformers_case("qwen3_moe", "per_expert"),
+             _transformers_case("mixtral", "per_expert"),
              _transformers_case("qwen3_moe", "fused"), _transformers_case("mixtral", "sharded"),
              _moebalance_case("qwen3_moe"), _moebalance_case("mixtral"),
              from_pretrained_rejects_bad_input_on_every_rank]

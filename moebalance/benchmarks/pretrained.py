@@ -1,4 +1,4 @@
-"""``moebalance bench pretrained``: each rank's peak memory when loading a checkpoint expert-parallel.
+"""``moebalance bench pretrained``: each rank's peak memory loading a checkpoint expert-parallel.
 
 A Qwen3-MoE whose experts are nearly all of its parameters (default 4 layers x 64 experts,
 hidden 512, expert hidden 1024, fp32: 1.6 GB) is written once with transformers'
@@ -14,7 +14,8 @@ uniform loads):
 Per rank: the peak resident memory (``resource.getrusage`` ``ru_maxrss``, which counts pages of
 the memory-mapped checkpoint that were read) above the rank's own level after its imports and
 one load of a tiny checkpoint of the same family the same way (transformers imports model code
-and loading machinery lazily, on first use), and the logits of its slice of the batch against the plain model's.
+and loading machinery lazily, on first use), and the logits of its slice of the batch against
+the plain model's.
 Writes ``results.json`` and ``summary.md`` under ``--out``.
 """
 
@@ -46,11 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=positive_int_arg, default=4, help="gloo ranks (default 4)")
     parser.add_argument("--layers", type=positive_int_arg, default=4, help="MoE layers (default 4)")
     parser.add_argument("--experts", type=positive_int_arg, default=64, help="experts (default 64)")
-    parser.add_argument("--hidden", type=positive_int_arg, default=512, help="hidden size (default 512)")
+    parser.add_argument("--hidden", type=positive_int_arg, default=512,
+                        help="hidden size (default 512)")
     parser.add_argument("--expert-hidden", type=positive_int_arg, default=1024,
                         help="expert hidden size (default 1024)")
     parser.add_argument("--out", default=os.path.join("bench-out", "pretrained"), metavar="DIR",
-                        help="folder for results.json and summary.md (default ./bench-out/pretrained)")
+                        help="folder for results.json and summary.md "
+                             "(default ./bench-out/pretrained)")
 
 
 def _peak_mb() -> float:
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a "
+                         f"writable folder")
     import torch
 
     from ..launch import launch
@@ -163,7 +167,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"moebalance pretrained benchmark: Qwen3-MoE {cfg['layers']} layers x "
               f"{cfg['experts']} experts, hidden {cfg['hidden']}, expert hidden "
               f"{cfg['expert_hidden']}, fp32: {info['bytes'] / 2**30:.2f} GiB, experts "
-              f"{info['expert_params'] / info['params']:.1%} of parameters; {args.ranks} gloo ranks",
+              f"{info['expert_params'] / info['params']:.1%} of parameters; "
+              f"{args.ranks} gloo ranks",
               flush=True)
         results = {}
         for mode in ("from_pretrained", "whole_then_wrap"):
@@ -182,7 +187,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      f"{max(ours['max_abs_diff'], whole['max_abs_diff']):.1e}"])
     worst = max(r["max_abs_diff"] for mode in results.values() for r in mode)
     scale = max(r["max_abs_logit"] for mode in results.values() for r in mode)
-    notes = [f"peak resident memory above each rank's level after imports and a tiny warm-up load (ru_maxrss); held "
+    notes = [f"peak resident memory above each rank's level after imports and a tiny warm-up "
+             f"load (ru_maxrss); held "
              f"after = parameter bytes of the loaded model on that rank (dense + its slots)",
              f"largest ratio {max(ratios):.2f} (target <= {LIMIT:.2f}): "
              + ("met" if max(ratios) <= LIMIT else "NOT met"),

@@ -124,11 +124,12 @@ def _agree(group, world: int, error: Exception | None, digest: str | None) -> No
 
 def _load(path, topology, placement, world: int, rank: int, group, model_class, dtype,
           grad_scale: str):
-    """(meta-built model with its dense weights loaded, blocks, placement, digest, rows by layer)."""
+    """(meta-built model, dense weights loaded; blocks; placement; digest; rows by layer)."""
     if grad_scale not in GRAD_SCALES:
         raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a folder path (str or os.PathLike), got {type(path).__name__}")
+        raise TypeError(f"path must be a folder path (str or os.PathLike), got "
+                        f"{type(path).__name__}")
     folder = os.fspath(path)
     files = _safetensors_files(folder)
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -136,7 +137,8 @@ def _load(path, topology, placement, world: int, rank: int, group, model_class, 
     model = _meta_model(folder, model_class, dtype)
     blocks, placement = _check_wrap(model, topology, group, placement)
     digest = hashlib.sha256(b"".join([
-        np.ascontiguousarray(topology.speed).tobytes(), np.ascontiguousarray(topology.slots).tobytes(),
+        np.ascontiguousarray(topology.speed).tobytes(),
+        np.ascontiguousarray(topology.slots).tobytes(),
         placement.phy2log.tobytes(), placement.share.tobytes(),
         str(next(model.parameters()).dtype).encode(), model.config.to_json_string().encode(),
     ])).hexdigest()
@@ -330,7 +332,8 @@ def _load_dense(model: nn.Module, reader: _Checkpoint, expert_prefixes: tuple[st
         for n in meta:   # NaN: an initialiser that skips a buffer is caught below
             like = module._buffers[n]
             module._buffers[n] = (torch.full_like(like, float("nan"), device="cpu")
-                                  if like.is_floating_point() else torch.zeros_like(like, device="cpu"))
+                                  if like.is_floating_point()
+                                  else torch.zeros_like(like, device="cpu"))
         init = getattr(model, "_init_weights", None)
         if init is not None:
             with torch.no_grad():
@@ -338,6 +341,7 @@ def _load_dense(model: nn.Module, reader: _Checkpoint, expert_prefixes: tuple[st
         unset = [n for n in meta if module._buffers[n].is_floating_point()
                  and torch.isnan(module._buffers[n]).any()]
         if unset:
-            raise ValueError(f"buffers {', '.join(f'{module_name}.{n}' for n in unset)} are neither "
-                             f"in the checkpoint nor set by the model's initialiser; {_FIX}")
+            names = ", ".join(f"{module_name}.{n}" for n in unset)
+            raise ValueError(f"buffers {names} are neither in the checkpoint nor set by the "
+                             f"model's initialiser; {_FIX}")
     model.eval()
