@@ -140,7 +140,7 @@ def _load(path, topology, placement, world: int, rank: int, group, model_class, 
         np.ascontiguousarray(topology.speed).tobytes(),
         np.ascontiguousarray(topology.slots).tobytes(),
         placement.phy2log.tobytes(), placement.share.tobytes(),
-        str(next(model.parameters()).dtype).encode(), model.config.to_json_string().encode(),
+        str(next(model.parameters()).dtype).encode(), _config_text(model.config).encode(),
     ])).hexdigest()
     with contextlib.ExitStack() as stack:
         reader = _Checkpoint(model, files, stack)
@@ -153,6 +153,12 @@ def _load(path, topology, placement, world: int, rank: int, group, model_class, 
             rows[layer] = {param: reader.expert_rows(f"{name}.experts.{param}", experts, like)
                            for param, like in block.experts.named_parameters(recurse=False)}
     return model, blocks, placement, digest, rows
+
+
+def _config_text(config) -> str:
+    """The config as text, without where it was read from (ranks may mount it apart)."""
+    values = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _safetensors_files(folder: str) -> list[str]:
