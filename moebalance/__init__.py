@@ -26,9 +26,11 @@ __all__ = [
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
-from .integrations import Rebalancer, save_pretrained, unwrap, wrap  # noqa: E402  (the top floor)
+from .integrations import (Rebalancer, from_pretrained, save_pretrained,  # noqa: E402  (top floor)
+                           unwrap, wrap)
 from . import checkpoint  # noqa: E402,F401
 from .elastic import replan_onto  # noqa: E402
 
 __all__ += ["plan", "rebalance_experts", "Rebalancer", "wrap", "unwrap", "save_pretrained",
+            "from_pretrained",
             "checkpoint", "replan_onto"]

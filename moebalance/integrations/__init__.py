@@ -2,7 +2,8 @@
 
 * :class:`Rebalancer` (plain loop): ``rebalancer.step()`` after ``optimizer.step()``.
 * :func:`wrap` / :func:`unwrap` / :func:`save_pretrained`: transformers 5.x MoE models made
-  expert-parallel, and back to their own layout.
+  expert-parallel, and back to their own layout; :func:`from_pretrained` loads a checkpoint
+  expert-parallel, each rank reading only its own experts.
 * :mod:`moebalance.integrations.lightning`: ``RebalanceCallback`` (Lightning 2.x).
 * :mod:`moebalance.integrations.hf`: ``RebalanceTrainerCallback`` (transformers ``Trainer``).
 
@@ -10,6 +11,7 @@ Lightning and transformers are imported only by their own modules.
 """
 
 from .loop import Rebalancer
+from .pretrained import from_pretrained
 from .wrap import save_pretrained, unwrap, wrap
 
-__all__ = ["Rebalancer", "wrap", "unwrap", "save_pretrained"]
+__all__ = ["Rebalancer", "wrap", "unwrap", "save_pretrained", "from_pretrained"]

@@ -52,13 +52,15 @@ class HFExpertSlots(ExpertSlots):
     """This rank's expert slots of one transformers MoE block, served through the dispatcher.
 
     Built by :func:`wrap` from the block's original ``experts`` module (its rows copied by
-    logical expert). Forward: ``(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) ->
+    logical expert), or from ``rows`` (``name -> [Ls, ...]``, this rank's slot rows in slot
+    order) that a loader read, the original then serving only for shapes and activation.
+    Forward: ``(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) ->
     [T, H]``, like the module it replaces.
     """
 
     def __init__(self, original: nn.Module, router: nn.Module, placement: Placement, layer: int,
                  group=None, *, exchange: str = "auto", nodes=None, grad_scale: float = 1.0,
-                 resplit: bool = False, speeds=None) -> None:
+                 resplit: bool = False, speeds=None, rows: dict | None = None) -> None:
         super().__init__()
         names = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
                  if isinstance(getattr(original, n, None), torch.Tensor)]
@@ -71,11 +73,19 @@ class HFExpertSlots(ExpertSlots):
         self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
                                      speeds=speeds)
         local = self.dispatcher.local_slots(placement, layer)
-        rows = torch.from_numpy(placement.phy2log[layer, local.start:local.stop].copy())
+        experts = torch.from_numpy(placement.phy2log[layer, local.start:local.stop].copy())
         self._names = names
         for name in names:
-            full = getattr(original, name).detach()
-            setattr(self, name, nn.Parameter(full.index_select(0, rows.to(full.device)).clone()))
+            if rows is None:
+                full = getattr(original, name).detach()
+                slot_rows = full.index_select(0, experts.to(full.device)).clone()
+            else:   # read by a loader (moebalance.from_pretrained); ``original`` may be on meta
+                slot_rows = rows[name]
+                expected = (len(experts), *getattr(original, name).shape[1:])
+                if tuple(slot_rows.shape) != expected:
+                    raise ValueError(f"rows[{name!r}] has shape {tuple(slot_rows.shape)}; this "
+                                     f"rank's slots of layer {layer} need {expected}")
+            setattr(self, name, nn.Parameter(slot_rows))
         # GPT-OSS: transposed, interleaved gate/up with a clamped activation; the others SwiGLU.
         self.transposed = "gate_up_proj_bias" in names
         if self.transposed:
@@ -153,15 +163,23 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
     Returns:
         ``model``, its experts replaced by :class:`HFExpertSlots` (this rank's slots only).
     """
+    if grad_scale not in GRAD_SCALES:
+        raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
+    blocks, placement = _check_wrap(model, topology, group, placement)
+    return _install(model, blocks, placement, topology, group, exchange=exchange, nodes=nodes,
+                    grad_scale=grad_scale, resplit=resplit, track=track)
+
+
+def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placement | None
+                ) -> tuple[list, Placement]:
+    """The MoE blocks of ``model`` and the placement to serve them (given, or planned for
+    uniform loads), after checking that they fit ``topology`` and ``group``."""
     from ..planner import plan
-    from ..tracker import attach
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    if grad_scale not in GRAD_SCALES:
-        raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
     blocks = _moe_blocks(model)
     if not blocks:
         raise ValueError(
@@ -191,6 +209,21 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
                          f"experts; the model has {len(blocks)} MoE blocks of {E}: plan one row "
                          f"per MoE block, in module order")
     placement.validate(topology)
+    return blocks, placement
+
+
+def _install(model: nn.Module, blocks: list, placement: Placement, topology: Topology, group, *,
+             exchange: str, nodes, grad_scale: str, resplit: bool, track: bool,
+             rows=None) -> nn.Module:
+    """Swap each block's ``experts`` for :class:`HFExpertSlots` and set up the dense gradient sync.
+
+    Args:
+        rows: None (copy the slot rows out of each block's experts), or ``rows(layer) -> {name:
+            [Ls, ...]}`` giving this rank's slot rows of MoE layer ``layer`` (a loader's).
+    """
+    from ..tracker import attach
+
+    world = topology.num_devices
     scale = 1.0 / world if grad_scale == "mean" else 1.0
     if nodes is None:
         nodes = topology.node
@@ -198,7 +231,8 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
         original = block.experts
         block.experts = HFExpertSlots(original, router, placement, layer, group, exchange=exchange,
                                       nodes=nodes, grad_scale=scale, resplit=resplit,
-                                      speeds=topology.speed if resplit else None)
+                                      speeds=topology.speed if resplit else None,
+                                      rows=None if rows is None else rows(layer))
         del original
     if world > 1:
         slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}

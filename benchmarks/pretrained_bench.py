@@ -1,0 +1,11 @@
+"""Peak memory of mb.from_pretrained per rank: see moebalance/benchmarks/pretrained.py.
+
+    python benchmarks/pretrained_bench.py [--quick]   # same as: moebalance bench pretrained [--quick]
+"""
+
+import sys
+
+from moebalance.benchmarks.pretrained import main
+
+if __name__ == "__main__":
+    sys.exit(main())
