@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
+from moebalance.dispatch.routing import replica_table
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
@@ -394,8 +395,9 @@ def issue_placement() -> Placement:
 
 
 def assert_shares_met(dispatcher, placement, ids) -> int:
-    """Every replica receives share x the expert's pairs over the group, within one pair;
-    returns the largest deviation seen."""
+    """Every replica receives share x the expert's pairs over the group, within one pair, where
+    share is what the dispatch routed by (the placement's, or this step's re-split); returns
+    the largest deviation seen."""
     T, K = ids.shape
     _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
     received = [None] * WORLD
@@ -403,7 +405,13 @@ def assert_shares_met(dispatcher, placement, ids) -> int:
     per_slot = np.concatenate(received)
     pairs_E = torch.bincount(ids.reshape(-1), minlength=placement.num_experts)
     dist.all_reduce(pairs_E)
-    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
+    table = replica_table(placement, 0)
+    valid = table.valid_EX.numpy()
+    share_S = np.zeros(placement.num_slots)
+    share_S[table.slots_EX.numpy()[valid]] = handle.share_EX.numpy()[valid]
+    if not dispatcher.resplit:
+        np.testing.assert_array_equal(share_S, placement.share[0])
+    expected = share_S * pairs_E.numpy()[placement.phy2log[0]]
     deviation = np.abs(per_slot - expected)
     assert np.all(deviation <= 1.0), (per_slot, expected)
     return float(deviation.max())
