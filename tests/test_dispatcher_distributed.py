@@ -266,23 +266,30 @@ def exchanges_give_bit_identical_outputs_and_gradients():
 
 
 def replica_token_counts_follow_shares():
-    """Summed over ranks, replica j of expert e receives share[j] of e's pairs."""
+    """Summed over ranks, replica j of expert e receives share[j] of e's pairs: the placement's
+    shares without the re-split, this step's (the handle's) with it."""
     E, K, T = 6, 2, 3000
     placement = random_placement(11, E, [3, 2, 4, 3], zero_share=0.3)
     gen = torch.Generator().manual_seed(50 + dist.get_rank())
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    dispatcher = Dispatcher()
-    _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
-    received = [None] * WORLD
-    dist.all_gather_object(received, handle.tokens_per_local_slot)
-    per_slot = np.concatenate(received)
-    pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
-    dist.all_reduce(pairs_E)
-    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
-    s = placement.share[0]
-    assert np.all(per_slot[s == 0] == 0), "a replica with share 0 received pairs"
-    tolerance = 5 * np.sqrt(expected * (1 - s)) + 2
-    assert np.all(np.abs(per_slot - expected) <= tolerance), (per_slot, expected)
+    table = replica_table(placement, 0)
+    valid = table.valid_EX.numpy()
+    for resplit in (False, True):
+        dispatcher = Dispatcher(resplit=resplit)
+        _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
+        received = [None] * WORLD
+        dist.all_gather_object(received, handle.tokens_per_local_slot)
+        per_slot = np.concatenate(received)
+        pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
+        dist.all_reduce(pairs_E)
+        s = np.zeros(placement.num_slots)
+        s[table.slots_EX.numpy()[valid]] = handle.share_EX.numpy()[valid]
+        if not resplit:
+            np.testing.assert_array_equal(s, placement.share[0])
+        expected = s * pairs_E.numpy()[placement.phy2log[0]]
+        assert np.all(per_slot[s == 0] == 0), "a replica with share 0 received pairs"
+        tolerance = 5 * np.sqrt(expected * (1 - s)) + 2
+        assert np.all(np.abs(per_slot - expected) <= tolerance), (per_slot, expected)
 
 
 def all_ranks_without_tokens_give_empty_outputs_and_gradients():

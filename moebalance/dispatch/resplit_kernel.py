@@ -220,9 +220,10 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
     another expert holding pairs there -> ...) to devices with room. When no path is left, the
     experts A the search reached can only use the devices N it reached, all full: no split puts
     ``w(A)`` on ``N`` faster than ``w(A) / speed(N)``, a larger lower bound; t rises to it and the
-    search goes on (the flow stays within the larger capacities). t starts at a lower bound (the
-    bound of :func:`resplit_bound` and each device's pairs of its single-replica experts). In place on share_EX and
-    load_G; experts with no pairs keep their shares.
+    search goes on (the flow stays within the larger capacities). t starts at a lower bound
+    (:func:`resplit_bound`, and each device's pairs of its single-replica experts). In place on
+    share_EX [E, X] and load_G [G] (which must match the shares on entry); experts with one
+    replica or no pairs keep their shares.
     """
     E, X = device_EX.shape
     G = speed_G.shape[0]
