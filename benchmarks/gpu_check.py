@@ -15,6 +15,8 @@ H100/H200. On fresh random inputs (seeded) it checks:
    re-split) against ``DenseMoE`` on the CPU, outputs and every gradient, float32.
 4. ``no sync``: ``LoadTracker.record``, the routing flows and the re-split under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises.
+   ``re-split``: ``csrc/resplit.cu`` through CuPy against the Numba re-split kernel, on
+   placements for 256 experts on 64 devices x 8 slots, and its time per layer.
 5. ``bandwidth``: GB/s of the CUDA gather_rows (permute) and combine kernels against the device's
    own copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16, by the dispatch
    benchmark's GPU section; target >= 80%.
@@ -289,6 +291,54 @@ def check_no_sync(seed: int) -> str:
     return "12 record calls, 3 re-splits and flow tables without a host sync"
 
 
+# -- 4b. the per-step re-split kernel (csrc/resplit.cu) ----------------------------------------
+
+
+def check_resplit(seed: int) -> str:
+    """The CUDA re-split (csrc/resplit.cu through CuPy) against the Numba kernel, on placements
+    planned for E = 256 on 64 devices x 8 slots, even and uneven speeds; and its time per layer
+    (CUDA events, one launch per layer)."""
+    import moebalance as mb
+    from moebalance.dispatch.resplit_cuda import resplit_shares_cuda
+    from moebalance.dispatch.routing import replica_table
+    from moebalance.dispatch.shares import RESPLIT_SWEEPS, resplit_plan
+    from moebalance.planner import _jit
+
+    rng = np.random.default_rng(seed)
+    kernel = _jit.compiled()
+    times = []
+    for uneven in (False, True):
+        speed = rng.choice([1.0, 0.5], 64) if uneven else np.ones(64)
+        topo = mb.Topology.from_arrays(speed=speed, slots=[8] * 64)
+        placement = mb.plan(rng.gamma(0.7, 100.0, size=(1, 256)), topo)
+        table = replica_table(placement, 0)
+        plan_cpu = resplit_plan(table, topo.speed)
+        plan_gpu = resplit_plan(table.to("cuda"), topo.speed, device="cuda")
+        for _ in range(8):
+            w = rng.poisson(rng.gamma(0.7, 300.0, 256)).astype(np.float64)
+            w[rng.random(256) < 0.1] = 0.0
+            for exact in (False, True):
+                want = table.share_EX.numpy().copy()
+                load = np.empty(64)
+                kernel.resplit_layer(w, plan_cpu.device_EX.numpy(), plan_cpu.speed_G.numpy(),
+                                     plan_cpu.order_V.numpy(), want, load, RESPLIT_SWEEPS, exact)
+                w_gpu, share_gpu = torch.from_numpy(w).cuda(), table.share_EX.cuda()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                got = resplit_shares_cuda(w_gpu, share_gpu, plan_gpu, sweeps=RESPLIT_SWEEPS,
+                                          exact=exact)
+                end.record()
+                torch.cuda.synchronize()
+                if exact:
+                    times.append(start.elapsed_time(end) * 1e3)
+                if not np.allclose(got.cpu().numpy(), want, rtol=1e-9, atol=1e-12):
+                    raise AssertionError(f"CUDA re-split differs from the Numba kernel "
+                                         f"(uneven={uneven}, exact={exact})")
+    return (f"32 layers equal to the Numba kernel; {np.median(times):.0f} us per layer "
+            f"(median, CUDA events, exact)")
+
+
 # -- 5. bandwidth -------------------------------------------------------------------------------
 
 
@@ -356,6 +406,8 @@ def main(argv=None) -> int:
     results.run("moe (ExpertParallelMoE vs DenseMoE)", check_moe, args.device, args.seed)
     if args.device == "cuda":
         results.run("no sync (record, flows, re-split)", check_no_sync, args.seed)
+        if has_cupy_gpu():
+            results.run("re-split (csrc/resplit.cu vs Numba)", check_resplit, args.seed)
         if not args.quick and has_cupy_gpu():
             results.run("bandwidth (permute, combine vs copy)", measure_bandwidth, results,
                         args.seed)

@@ -1,9 +1,10 @@
 """The one place that decides which accelerated implementation each part uses.
 
-Parts: ``planner`` (numpy reference, Numba CPU kernels) and ``dispatch`` (torch reference,
-Numba CPU kernels, CUDA kernels from ``csrc/`` loaded through CuPy). The choice is automatic,
-reported by :func:`backends`, and can be forced with :func:`force_backend` or the environment
-variables ``MOEBALANCE_PLANNER`` / ``MOEBALANCE_DISPATCH`` (useful in tests).
+Parts: ``planner`` (numpy reference, Numba CPU kernels), ``dispatch`` (torch reference,
+Numba CPU kernels, CUDA kernels from ``csrc/`` loaded through CuPy) and ``resplit``, the
+dispatcher's per-step re-split (the same three). The choice is automatic, reported by
+:func:`backends`, and can be forced with :func:`force_backend` or the environment variables
+``MOEBALANCE_PLANNER`` / ``MOEBALANCE_DISPATCH`` / ``MOEBALANCE_RESPLIT`` (useful in tests).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Iterator
 
 PLANNER_BACKENDS = ("numba", "numpy")
 DISPATCH_BACKENDS = ("cuda", "numba", "torch")
-_ENV = {"planner": "MOEBALANCE_PLANNER", "dispatch": "MOEBALANCE_DISPATCH"}
-_CHOICES = {"planner": PLANNER_BACKENDS, "dispatch": DISPATCH_BACKENDS}
+RESPLIT_BACKENDS = DISPATCH_BACKENDS
+_ENV = {"planner": "MOEBALANCE_PLANNER", "dispatch": "MOEBALANCE_DISPATCH",
+        "resplit": "MOEBALANCE_RESPLIT"}
+_CHOICES = {"planner": PLANNER_BACKENDS, "dispatch": DISPATCH_BACKENDS,
+            "resplit": RESPLIT_BACKENDS}
 _forced: dict[str, str] = {}
 
 
@@ -61,7 +65,7 @@ def backend(part: str, device_type: str = "cpu") -> str:
         return env
     if part == "planner":
         return "numba" if has_numba() else "numpy"
-    if part == "dispatch":
+    if part in ("dispatch", "resplit"):
         if device_type == "cuda":
             return "cuda" if has_cupy_gpu() else "torch"
         return "numba" if has_numba() else "torch"
@@ -91,11 +95,14 @@ def using_backend(part: str, name: str) -> Iterator[None]:
 
 def backends() -> dict[str, str]:
     """What each part runs on right now, e.g. ``{'planner': 'numba', 'dispatch.cpu': 'numba',
-    'dispatch.cuda': 'torch', 'numba': True, 'cupy_gpu': False}``."""
+    'dispatch.cuda': 'torch', 'resplit.cpu': 'numba', 'resplit.cuda': 'torch', 'numba': True,
+    'cupy_gpu': False}``."""
     return {
         "planner": backend("planner"),
         "dispatch.cpu": backend("dispatch", "cpu"),
         "dispatch.cuda": backend("dispatch", "cuda"),
+        "resplit.cpu": backend("resplit", "cpu"),
+        "resplit.cuda": backend("resplit", "cuda"),
         "numba": has_numba(),
         "cupy_gpu": has_cupy_gpu(),
     }

@@ -300,7 +300,8 @@ class ExpertParallelMoE(ExpertSlots):
             construction-time collective.
         exchange: how rows travel between ranks ("auto", "all_to_all" or "p2p"); nodes: the
             node of each rank, to keep tokens on their node; resplit, speeds: re-split each
-            step's tokens over the existing replicas by the devices' speeds; see
+            step's tokens over the existing replicas by the devices' speeds (on by default;
+            the math is the same either way); see
             :class:`~moebalance.dispatch.Dispatcher`.
         grad_sync: "backward" (default): replica and router gradients are reduced during
             backward and are final when ``backward()`` returns (before gradient clipping);
@@ -326,7 +327,7 @@ class ExpertParallelMoE(ExpertSlots):
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
                  exchange: str = "auto", nodes=None, grad_sync: str = "backward",
-                 sync_router: bool = True, resplit: bool = False, speeds=None) -> None:
+                 sync_router: bool = True, resplit: bool = True, speeds=None) -> None:
         super().__init__()
         self.hidden_dim = _positive_int(hidden_size, "hidden_size")
         self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")

@@ -71,6 +71,12 @@ def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
             moe = ExpertParallelMoE.from_dense(DenseMoE(8, 16, 4, 2).to(dtype), placement)
             x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
             moe(x).sum().backward()
+        # One device holds no two replicas of an expert: the re-split kernel warms on its own.
+        from .dispatch.routing import replica_table
+        from .dispatch.shares import resplit_plan, resplit_shares
+
+        table = replica_table(plan(w[:1, :3].copy(), Topology.uniform(2, 2), backend="numba"), 0)
+        resplit_shares(torch.ones(3), table.share_EX, resplit_plan(table, [1.0, 1.0]))
 
     for name, part in (("planner", planner), ("rebalance_experts", drop_in), ("dispatch", dispatch)):
         if progress is not None:

@@ -13,7 +13,8 @@ import moebalance as mb
 # Every test here starts from a clean selection state and leaves it as it found it.
 pytestmark = pytest.mark.usefixtures("isolated_backends")
 
-KEYS = {"planner", "dispatch.cpu", "dispatch.cuda", "numba", "cupy_gpu"}
+KEYS = {"planner", "dispatch.cpu", "dispatch.cuda", "resplit.cpu", "resplit.cuda", "numba",
+        "cupy_gpu"}
 
 
 def fake_cupy(monkeypatch, is_available):
@@ -168,7 +169,7 @@ def test_an_unknown_backend_in_the_environment_names_the_variable(monkeypatch):
     ("planner", "Numba", r"planner backend must be one of"),
     ("dispatch", "numpy", r"dispatch backend must be one of"),
     ("dispatch", "", r"dispatch backend must be one of"),
-    ("router", "numpy", r"part must be one of \['dispatch', 'planner'\]"),
+    ("router", "numpy", r"part must be one of \['dispatch', 'planner', 'resplit'\]"),
 ])
 def test_invalid_names_raise_value_error_and_change_nothing(isolated_backends, part, name, message):
     auto = mb.backends()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moebalance.dispatch import cuda
+from moebalance.dispatch import cuda, resplit_cuda
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -22,7 +22,7 @@ nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on P
 
 
 def test_csrc_holds_cuda_sources():
-    assert [p.name for p in SOURCES] == ["dispatch.cu"]
+    assert [p.name for p in SOURCES] == ["dispatch.cu", "resplit.cu"]
 
 
 @nvcc
@@ -36,6 +36,20 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
         image = cubin.read_bytes()
         missing = [k for k in cuda.KERNEL_NAMES if k.encode() + b"\0" not in image]
         assert not missing, f"kernels launched by cuda.py but not defined: {missing}"
+    if source.name == resplit_cuda.SOURCE_FILE:
+        assert resplit_cuda.KERNEL_NAME.encode() + b"\0" in cubin.read_bytes()
+
+
+@nvcc
+def test_resplit_source_compiles_to_ptx_for_sm90(tmp_path):
+    ptx = tmp_path / "resplit.ptx"
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", *resplit_cuda.COMPILE_OPTIONS, "-o",
+                          str(ptx), str(ROOT / "csrc" / resplit_cuda.SOURCE_FILE)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f".entry {resplit_cuda.KERNEL_NAME}(" in ptx.read_text()
+    source = (ROOT / "csrc" / resplit_cuda.SOURCE_FILE).read_text()
+    assert f"#define MAX_REPLICAS {resplit_cuda.MAX_REPLICAS}" in source
 
 
 def _nvrtc_compiler():
@@ -60,12 +74,22 @@ def test_dispatch_source_compiles_with_nvrtc_as_cupy_does():
     assert not missing, f"kernels launched by cuda.py but not defined: {missing}"
 
 
+def test_resplit_source_compiles_with_nvrtc_as_cupy_does():
+    compiler = _nvrtc_compiler()
+    program = compiler._NVRTCProgram(resplit_cuda.source(), resplit_cuda.SOURCE_FILE, (), (),
+                                     method="cubin")
+    image, _ = program.compile((*resplit_cuda.COMPILE_OPTIONS, "-arch=sm_90",
+                                "--device-as-default-execution-space"), None)
+    assert resplit_cuda.KERNEL_NAME.encode() + b"\0" in image
+
+
 def test_package_resources_hold_the_cuda_sources():
     shipped = {p.name: p for p in importlib.resources.files(cuda.SOURCE_PACKAGE).iterdir()}
     for source in SOURCES:
         assert source.name in shipped
         assert shipped[source.name].read_text() == source.read_text()
     assert cuda.source() == (ROOT / "csrc" / cuda.SOURCE_FILE).read_text()
+    assert resplit_cuda.source() == (ROOT / "csrc" / resplit_cuda.SOURCE_FILE).read_text()
 
 
 def test_pyproject_lists_every_package_on_disk():

@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from _dist import case_id, run_cases
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
+from moebalance.dispatch.routing import replica_table
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
@@ -265,23 +266,30 @@ def exchanges_give_bit_identical_outputs_and_gradients():
 
 
 def replica_token_counts_follow_shares():
-    """Summed over ranks, replica j of expert e receives share[j] of e's pairs."""
+    """Summed over ranks, replica j of expert e receives share[j] of e's pairs: the placement's
+    shares without the re-split, this step's (the handle's) with it."""
     E, K, T = 6, 2, 3000
     placement = random_placement(11, E, [3, 2, 4, 3], zero_share=0.3)
     gen = torch.Generator().manual_seed(50 + dist.get_rank())
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    dispatcher = Dispatcher()
-    _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
-    received = [None] * WORLD
-    dist.all_gather_object(received, handle.tokens_per_local_slot)
-    per_slot = np.concatenate(received)
-    pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
-    dist.all_reduce(pairs_E)
-    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
-    s = placement.share[0]
-    assert np.all(per_slot[s == 0] == 0), "a replica with share 0 received pairs"
-    tolerance = 5 * np.sqrt(expected * (1 - s)) + 2
-    assert np.all(np.abs(per_slot - expected) <= tolerance), (per_slot, expected)
+    table = replica_table(placement, 0)
+    valid = table.valid_EX.numpy()
+    for resplit in (False, True):
+        dispatcher = Dispatcher(resplit=resplit)
+        _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
+        received = [None] * WORLD
+        dist.all_gather_object(received, handle.tokens_per_local_slot)
+        per_slot = np.concatenate(received)
+        pairs_E = torch.bincount(ids.reshape(-1), minlength=E)
+        dist.all_reduce(pairs_E)
+        s = np.zeros(placement.num_slots)
+        s[table.slots_EX.numpy()[valid]] = handle.share_EX.numpy()[valid]
+        if not resplit:
+            np.testing.assert_array_equal(s, placement.share[0])
+        expected = s * pairs_E.numpy()[placement.phy2log[0]]
+        assert np.all(per_slot[s == 0] == 0), "a replica with share 0 received pairs"
+        tolerance = 5 * np.sqrt(expected * (1 - s)) + 2
+        assert np.all(np.abs(per_slot - expected) <= tolerance), (per_slot, expected)
 
 
 def all_ranks_without_tokens_give_empty_outputs_and_gradients():
@@ -394,8 +402,9 @@ def issue_placement() -> Placement:
 
 
 def assert_shares_met(dispatcher, placement, ids) -> int:
-    """Every replica receives share x the expert's pairs over the group, within one pair;
-    returns the largest deviation seen."""
+    """Every replica receives share x the expert's pairs over the group, within one pair, where
+    share is what the dispatch routed by (the placement's, or this step's re-split); returns
+    the largest deviation seen."""
     T, K = ids.shape
     _, handle = dispatcher.dispatch(torch.zeros(T, 1), ids, torch.ones(T, K), placement, 0)
     received = [None] * WORLD
@@ -403,7 +412,13 @@ def assert_shares_met(dispatcher, placement, ids) -> int:
     per_slot = np.concatenate(received)
     pairs_E = torch.bincount(ids.reshape(-1), minlength=placement.num_experts)
     dist.all_reduce(pairs_E)
-    expected = placement.share[0] * pairs_E.numpy()[placement.phy2log[0]]
+    table = replica_table(placement, 0)
+    valid = table.valid_EX.numpy()
+    share_S = np.zeros(placement.num_slots)
+    share_S[table.slots_EX.numpy()[valid]] = handle.share_EX.numpy()[valid]
+    if not dispatcher.resplit:
+        np.testing.assert_array_equal(share_S, placement.share[0])
+    expected = share_S * pairs_E.numpy()[placement.phy2log[0]]
     deviation = np.abs(per_slot - expected)
     assert np.all(deviation <= 1.0), (per_slot, expected)
     return float(deviation.max())

@@ -1,4 +1,4 @@
-"""Per-step re-split: the torch water-filling over existing replicas reaches the planner's share
+"""Per-step re-split: the dispatcher's re-split over existing replicas reaches the planner's share
 step and the LP optimum of the slowest device's time, keeps valid shares, and runs by classes."""
 
 from __future__ import annotations

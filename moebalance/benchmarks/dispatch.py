@@ -11,7 +11,8 @@ Sections (``--sections``, default all that can run here):
    127.0.0.1), once with each row exchange (``exchange="p2p"``, the gloo default, and
    ``"all_to_all"``, the NCCL default), against a raw ``all_to_all_single`` pair moving the same
    rows.
-   A third Dispatcher re-splits every step (``resplit=True``), to show what that costs.
+   A third Dispatcher re-splits every step (``resplit=True``, the default; the others are
+   built with ``resplit=False``), to show what that costs.
 3. ``gpu``: only with CuPy and a CUDA GPU: GB/s of the CUDA ``gather_rows`` and ``combine`` kernels
    against torch's device copy bandwidth.
 4. ``shares``: shares realised on 4 gloo ranks with uneven traffic (tokens per rank
@@ -208,7 +209,8 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
         ids = torch.stack([torch.randperm(placement.num_experts, generator=gen)[:K]
                            for _ in range(T)])
         weights = torch.rand(T, K, generator=gen)
-        dispatchers = {mode: Dispatcher(group=None, exchange=mode) for mode in DIST_MODES}
+        dispatchers = {mode: Dispatcher(group=None, exchange=mode, resplit=False)
+                       for mode in DIST_MODES}
         dispatchers["p2p, resplit"] = Dispatcher(group=None, exchange="p2p", resplit=True)
         send = torch.randn(T * K, D, generator=gen)
         recv = torch.empty_like(send)

@@ -8,13 +8,20 @@ counts. Per step, three figures over the same replicas:
 
 - **static**: the placement's shares;
 - **re-split**: :func:`moebalance.dispatch.shares.resplit_shares` from that step's counts
-  (the Dispatcher's ``resplit=True``), ``--sweeps`` passes;
+  (the Dispatcher's default, ``resplit=True``), ``--sweeps`` water-filling sweeps then the
+  exact flow, by the backend :func:`moebalance.backends` reports for the CPU;
 - **LP optimum**: the best any re-split over those replicas can do, one linear program per layer
   (:func:`moebalance.dispatch.shares.optimal_max_time`).
 
 Each is the step's imbalance ``sum_l max_g(load/speed) / sum_l ideal`` (DESIGN.md section 2);
 the table reports their means over all scored steps, the re-split's gap to the LP, the window
-mean's own imbalance (what the planner sees), and the re-split's time per layer (torch, CPU).
+mean's own imbalance (what the planner sees), and the re-split's time per layer.
+
+A second table times each form of the re-split at DeepSeek-V3's size (E = 256 experts, 64
+devices with 8 slots each) on a generated trace: placements planned on a window's mean, scored
+on the next window's steps: microseconds per layer (wall and CPU time of the calling thread,
+one thread; the fastest of a few runs of each call, median over calls) and the largest and
+mean gap to the per-step LP optimum, in units of the ideal time.
 
 Legend: L layers, E experts, S slots, G devices.
 """
@@ -32,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import workloads
+from ..backends import backend
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from ..metrics import summary_imbalance
 from ..placement import Placement
@@ -45,6 +53,12 @@ FULL = {"window": 20, "windows": 0}
 QUICK = {"window": 20, "windows": 4}
 COLUMNS = ["trace", "cluster", "steps", "window mean", "static", "re-split", "LP optimum",
            "re-split - LP", "us/layer"]
+KERNEL_COLUMNS = ["cluster", "form", "layer calls", "us/layer wall", "us/layer cpu",
+                  "max gap to LP", "mean gap to LP"]
+# The kernel timing case: DeepSeek-V3's experts on 64 devices with 8 slots each.
+KERNEL_CASE = {"experts": 256, "devices": 64, "slots": 8, "layers": 4, "window": 20}
+# Each layer call is timed this many times and the fastest kept (the machine may be shared).
+KERNEL_REPEATS = 5
 
 
 @dataclass
@@ -131,6 +145,107 @@ def run_trace(name: str, counts_TLE: np.ndarray, window: int, max_windows: int,
     return rows
 
 
+@dataclass
+class KernelRow:
+    cluster: str
+    form: str
+    layer_calls: int
+    us_wall: float
+    us_cpu: float
+    max_gap: float
+    mean_gap: float
+
+
+def kernel_rows(quick: bool, sweeps: int) -> list[KernelRow]:
+    """Each form of the re-split timed at :data:`KERNEL_CASE` on a generated trace."""
+    import torch
+
+    from ..dispatch.routing import replica_table
+    from ..dispatch.shares import (RESPLIT_TORCH_SWEEPS, optimal_max_time, resplit_plan,
+                                   resplit_shares_torch)
+    from ..planner import _jit
+    from ..simulation.traces import generate_trace
+    from ..topology import Topology
+
+    c = KERNEL_CASE
+    window, G, E = c["window"], c["devices"], c["experts"]
+    steps = 2 * window if quick else 3 * window
+    counts = generate_trace(steps, num_layers=c["layers"], num_experts=E, seed=0)
+    clusters = {
+        f"uniform-{G}x{c['slots']}": Topology.uniform(num_devices=G, slots_per_device=c["slots"],
+                                                      devices_per_node=8),
+        f"half-speed-{G}x{c['slots']}": Topology.from_arrays(
+            speed=[1.0] * (G // 2) + [0.5] * (G - G // 2), slots=[c["slots"]] * G,
+            node=[g // 8 for g in range(G)]),
+    }
+    k = _jit.compiled()
+
+    def numba_form(w, table, plan, exact, n):
+        share = table.share_EX.numpy().copy()
+        load = np.empty(G)
+        k.resplit_layer(w, plan.device_EX.numpy(), plan.speed_G.numpy(), plan.order_V.numpy(),
+                        share, load, n, exact)
+        return load
+
+    def torch_form(w, table, plan, exact, n):
+        share = resplit_shares_torch(torch.from_numpy(w), table.share_EX, plan, sweeps=n)
+        return (plan.holds_GEX * (torch.from_numpy(w)[:, None] * share)[None]).sum(dim=(1, 2)
+                                                                                   ).numpy()
+
+    forms = [(f"numba: {sweeps} sweeps + exact flow (default)", numba_form, True, sweeps),
+             ("numba: 16 sweeps, no flow", numba_form, False, 16),
+             (f"torch: {RESPLIT_TORCH_SWEEPS} sweeps", torch_form, False, RESPLIT_TORCH_SWEEPS)]
+    rows = []
+    for name, topo in clusters.items():
+        figures = {f[0]: ([], [], []) for f in forms}
+        for i in range(steps // window - 1):
+            mean_LE = counts[i * window:(i + 1) * window].mean(axis=0)
+            placement = plan(mean_LE, topo)
+            tables = [replica_table(placement, layer) for layer in range(c["layers"])]
+            plans = [resplit_plan(t, topo.speed) for t in tables]
+            for step in range((i + 1) * window, (i + 2) * window):
+                for layer in range(c["layers"]):
+                    w = counts[step, layer]
+                    ideal = w.sum() / topo.speed.sum()
+                    best = optimal_max_time(w, placement.phy2log[layer], placement.slot_device,
+                                            topo.speed)
+                    for form, fn, exact, n in forms:
+                        fn(w, tables[layer], plans[layer], exact, n)  # warm (JIT, caches)
+                        wall, cpu = np.inf, np.inf
+                        for _ in range(KERNEL_REPEATS):
+                            w0, c0 = time.perf_counter(), time.thread_time()
+                            load = fn(w, tables[layer], plans[layer], exact, n)
+                            cpu = min(cpu, time.thread_time() - c0)
+                            wall = min(wall, time.perf_counter() - w0)
+                        walls, cpus, gaps = figures[form]
+                        walls.append(wall)
+                        cpus.append(cpu)
+                        gaps.append((np.max(load / topo.speed) - best) / ideal)
+        for form, _, _, _ in forms:
+            walls, cpus, gaps = figures[form]
+            rows.append(KernelRow(name, form, len(walls), float(np.median(walls) * 1e6),
+                                  float(np.median(cpus) * 1e6), float(np.max(gaps)),
+                                  float(np.mean(gaps))))
+    return rows
+
+
+def _kernel_cells(rows: Sequence[KernelRow]) -> list[list[str]]:
+    return [[r.cluster, r.form, str(r.layer_calls), f"{r.us_wall:.0f}", f"{r.us_cpu:.0f}",
+             f"{r.max_gap:+.5f}", f"{r.mean_gap:+.5f}"] for r in rows]
+
+
+def _warm_resplit() -> None:
+    """One re-split call, so that no timed call pays for compiling (or loading) the kernel."""
+    import torch
+
+    from ..dispatch.routing import replica_table
+    from ..dispatch.shares import resplit_plan, resplit_shares
+    from ..topology import Topology
+
+    table = replica_table(plan(np.ones((1, 3)), Topology.uniform(2, 2)), 0)
+    resplit_shares(torch.ones(3), table.share_EX, resplit_plan(table, [1.0, 1.0]))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"score only the first {QUICK['windows']} windows of each trace")
@@ -139,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int_arg, default=None,
                         help=f"steps per planning window (default {FULL['window']})")
     parser.add_argument("--sweeps", type=positive_int_arg, default=None,
-                        help="re-split sweeps over the colour classes (default: the "
+                        help="water-filling sweeps before the exact flow (default: the "
                              "Dispatcher's RESPLIT_SWEEPS)")
     parser.add_argument("--out", default=os.path.join("bench-out", "resplit"), metavar="DIR",
                         help="folder for results.json and summary.md (default ./bench-out/resplit)")
@@ -166,6 +281,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UsageError(f"--traces: unknown {unknown or names}; shipped: "
                          f"{','.join(workloads.trace_names())}")
     torch.set_num_threads(1)
+    _warm_resplit()
     print(f"moebalance re-split benchmark: traces {names}, window {window} steps, "
           f"{sweeps} sweeps", flush=True)
     started = time.perf_counter()
@@ -174,14 +290,23 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         counts, meta = workloads.trace_loads(name)
         models[name] = meta.get("model", "model not recorded")
         rows += run_trace(name, counts, window, preset["windows"], sweeps)
+    kernels = kernel_rows(args.quick, sweeps)
     elapsed = time.perf_counter() - started
     notes = ["placement planned on each window's mean counts (plan(previous=...)), scored on "
              "every step of the next window; imbalance = sum_l max_g(load/speed) / sum_l ideal "
-             "per step, mean over steps; us/layer: one resplit_shares call, torch on one CPU "
-             "thread"] + [f"trace {n}: {m}" for n, m in models.items()]
+             "per step, mean over steps; us/layer: one resplit_shares call (backend "
+             f"{backend('resplit', 'cpu')}), one thread",
+             f"kernel timing: {KERNEL_CASE['layers']} layers of a generated DeepSeek-V3-shape "
+             f"trace (seed 0), planned on each {KERNEL_CASE['window']}-step window's mean, "
+             "scored on the next window; us/layer: median over layer calls of the fastest of "
+             f"{KERNEL_REPEATS} warm runs; gap: "
+             "(slowest time - LP optimum) / ideal time"] + [
+                 f"trace {n}: {m}" for n, m in models.items()]
     table = format_text(COLUMNS, _cells(rows))
     print()
     print(table)
+    print()
+    print(format_text(KERNEL_COLUMNS, _kernel_cells(kernels)))
     for line in notes:
         print(f"note: {line}")
     info = machine_info(argv)
@@ -191,14 +316,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               "wall_s": round(elapsed, 2)}
     (out / "results.json").write_text(json.dumps(
         {"machine": info, "config": config,
-         "rows": [dict(asdict(r), gap=r.gap) for r in rows], "notes": notes},
+         "rows": [dict(asdict(r), gap=r.gap) for r in rows],
+         "kernel_rows": [asdict(r) for r in kernels], "notes": notes},
         indent=2) + "\n", encoding="utf-8")
     md = ["# moebalance per-step re-split benchmark", "",
           f"- machine: {info['cpu']}, {info['cores']} cores",
           f"- versions: python {info['python']}, torch {info['torch']}, "
           f"moebalance {info['moebalance']}",
           f"- command: {info['command']}", f"- date: {info['timestamp']}", "",
-          format_markdown(COLUMNS, _cells(rows)), ""] + [f"- note: {x}" for x in notes]
+          format_markdown(COLUMNS, _cells(rows)), "",
+          format_markdown(KERNEL_COLUMNS, _kernel_cells(kernels)), ""] + [
+              f"- note: {x}" for x in notes]
     (out / "summary.md").write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
     return 0

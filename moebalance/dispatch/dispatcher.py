@@ -13,8 +13,9 @@ Steps of ``dispatch`` (kernels from :func:`moebalance.dispatch.kernels.kernels_f
 1. count: this rank's pairs per expert (a counting sort by expert, which also gives each pair's
    place among its expert's pairs), exchanged across the group in one small collective on the
    rows' device: every rank then holds ``counts_GE``, with a flag per rank for bad input.
-2. shares: the placement's, or with ``resplit=True`` this step's re-split over the existing
-   replicas (:mod:`.shares`), from ``counts_GE`` and the devices' speeds, on the device.
+2. shares: this step's re-split over the existing replicas (:mod:`.shares`: one kernel call
+   on the counts' device, for layers where some expert has two or more replicas), from
+   ``counts_GE`` and the devices' speeds; with ``resplit=False``, the placement's.
 3. route: every rank computes the same flow table from ``counts_GE`` (:mod:`.routing`): each
    replica receives its share of the expert's pairs over the whole group, to within one pair,
    own device first, then the node, then the rest; a pair goes to the replica its place
@@ -198,8 +199,9 @@ class Dispatcher:
             device), keeping all-to-all traffic local; the shares are met either way. None: no
             node preference.
         resplit: re-split each step's pairs over the existing replicas so that the slowest
-            device of the layer finishes first (:mod:`.shares`), instead of the placement's
-            shares. Off by default.
+            device of the layer finishes as early as those replicas allow (:mod:`.shares`),
+            instead of using the placement's shares. On by default; it changes which replica
+            serves a pair, never the math. False: the placement's shares.
         speeds: the relative speed of each rank's device (e.g. ``topology.speed``), used by the
             re-split; None: equal speeds.
         debug: also check, with host syncs, that ``x`` and ``topk_weights`` are finite before
@@ -209,7 +211,7 @@ class Dispatcher:
     :class:`~moebalance.Placement` object gets new tables (the last few are kept).
     """
 
-    def __init__(self, group=None, *, exchange: str = "auto", nodes=None, resplit: bool = False,
+    def __init__(self, group=None, *, exchange: str = "auto", nodes=None, resplit: bool = True,
                  speeds=None, debug: bool = False) -> None:
         if not isinstance(exchange, str) or exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}; "
@@ -400,7 +402,7 @@ class Dispatcher:
         flags[_DTYPE] = _dtype_code(x_TD.dtype)
         rows_GC = self._gather_rows(torch.cat([counts_E, flags]))
         counts_GE = rows_GC[:, :E]
-        if layer_state.plan is not None:
+        if layer_state.plan is not None and layer_state.plan.order_V.numel() > 0:
             share_EX = resplit_shares(counts_GE.sum(dim=0), table.share_EX, layer_state.plan)
         else:
             share_EX = table.share_EX

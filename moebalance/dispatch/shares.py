@@ -6,16 +6,21 @@ layer's live pairs per expert ``w_E`` (summed from the counts exchange) and the 
 slowest device's time ``max_g load_g / speed_g`` with ``load_g = sum over g's replicas of
 w[e] * share``, without moving any weight.
 
-Method: the planner's share step (``balance_shares`` in :mod:`moebalance.planner.algorithm`):
-each replicated expert in turn is water-filled (its pairs poured onto its devices so that those
-that receive any finish together, given everything else they hold). That minimises
-``sum_g load_g**2 / speed_g``, whose minimiser also minimises the maximum. Here the experts are
-grouped into colour classes, no two experts of a class sharing a device, so one water-filling
-of a whole class is a handful of torch ops on the counts' device (Gauss-Seidel by blocks); a
-fixed number of sweeps over the classes needs no host sync. The loop runs over colour classes
-(at most the most replicated experts any device holds, plus a few), never over experts.
+Method: water-filling sweeps over the replicated experts in colour-class order
+(:mod:`.resplit_kernel`, which states it). Three forms compute it, chosen by
+:func:`moebalance.backends.backend` ("resplit", device type):
 
-Legend: G devices (ranks), E logical experts, X most replicas of an expert, C colour classes.
+- ``numba``: the kernel of :mod:`.resplit_kernel` compiled (CPU tensors; its plain-Python run is
+  the reference the tests hold it to);
+- ``cuda``: ``csrc/resplit.cu`` through CuPy (:mod:`.resplit_cuda`), one launch, no host sync;
+- ``torch``: :func:`resplit_shares_torch` here, one water-filling of a whole colour class at
+  a time in a handful of tensor ops on the counts' device (any device; the plain reference).
+  It cannot stop early without a host sync, so it runs a fixed number of sweeps.
+
+:func:`optimal_max_time` is the LP optimum every form is measured against.
+
+Legend: G devices (ranks), E logical experts, X most replicas of an expert, C colour classes,
+V replicated experts.
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..backends import backend, has_numba
+from ..planner import _jit
+from .resplit_kernel import RESPLIT_SWEEPS
 from .routing import ReplicaTable
 
-__all__ = ["RESPLIT_SWEEPS", "ColourClass", "ResplitPlan", "resplit_plan", "resplit_shares", "device_loads",
-           "optimal_max_time"]
+__all__ = ["RESPLIT_SWEEPS", "RESPLIT_TORCH_SWEEPS", "ColourClass",
+           "ResplitPlan", "resplit_plan", "resplit_shares", "resplit_shares_torch",
+           "device_loads", "optimal_max_time"]
 
-# Sweeps over all colour classes per step (see benchmarks/RESULTS.md for how close this gets to
-# the per-step optimum).
-RESPLIT_SWEEPS = 4
+# Sweeps of the torch form, which cannot stop early without a host sync.
+RESPLIT_TORCH_SWEEPS = 4
 
 
 @dataclass(frozen=True)
@@ -60,33 +68,32 @@ class ResplitPlan:
 
     Attributes:
         holds_GEX: [G, E, X] float64, 1 where device g holds replica (e, j).
-        classes: C :class:`ColourClass` covering the replicated experts.
+        classes: C :class:`ColourClass` covering the replicated experts (the torch form).
+        device_EX: [E, X] int64, device of each replica, -1 padded.
+        speed_G: [G] float64, device speeds.
+        order_V: [V] int64, the replicated experts in sweep order, class by class.
+        class_starts_C1: [C + 1] int64, where each class starts in ``order_V`` (then V).
     """
 
     holds_GEX: torch.Tensor
     classes: tuple
+    device_EX: torch.Tensor
+    speed_G: torch.Tensor
+    order_V: torch.Tensor
+    class_starts_C1: torch.Tensor
+
+
+def _kernels():
+    """The re-split kernels: compiled where Numba is, else run as plain Python."""
+    return _jit.compiled() if has_numba() else _jit.interpreted()
 
 
 def _colour_classes(device_EX: np.ndarray, num_devices: int) -> list[np.ndarray]:
-    """Greedy colouring of the experts with >= 2 replicas: an expert joins the first class whose
-    experts use none of its devices."""
-    classes: list[list[int]] = []
-    used: list[np.ndarray] = []
-    for e in range(device_EX.shape[0]):
-        devices = device_EX[e][device_EX[e] >= 0]
-        if devices.size < 2:
-            continue
-        for c, taken in enumerate(used):
-            if not taken[devices].any():
-                classes[c].append(e)
-                taken[devices] = True
-                break
-        else:
-            taken = np.zeros(num_devices, dtype=bool)
-            taken[devices] = True
-            classes.append([e])
-            used.append(taken)
-    return [np.asarray(c, dtype=np.int64) for c in classes]
+    """The experts with >= 2 replicas in colour classes (:func:`.resplit_kernel.resplit_order`):
+    no two experts of a class share a device."""
+    order, starts = _kernels().resplit_order(np.ascontiguousarray(device_EX, dtype=np.int64),
+                                             num_devices)
+    return [order[starts[c]:starts[c + 1]] for c in range(starts.shape[0] - 1)]
 
 
 def resplit_plan(table: ReplicaTable, speed_G, device=None) -> ResplitPlan:
@@ -100,21 +107,25 @@ def resplit_plan(table: ReplicaTable, speed_G, device=None) -> ResplitPlan:
     speed = np.array(speed_G, dtype=np.float64)
     if speed.ndim != 1 or not np.all(np.isfinite(speed)) or not np.all(speed > 0):
         raise ValueError(f"speed_G must be a 1-D array of finite speeds > 0, got {speed_G!r}")
-    device_EX = table.device_EX.cpu().numpy()
+    device_EX = np.ascontiguousarray(table.device_EX.cpu().numpy(), dtype=np.int64)
     G = speed.shape[0]
     if device_EX.max() >= G:
         raise ValueError(f"speed_G gives {G} devices but the placement uses device "
                          f"{int(device_EX.max())}; give one speed per rank of the group")
     holds = (device_EX[None] == np.arange(G)[:, None, None]).astype(np.float64)
+    order, starts = _kernels().resplit_order(device_EX, G)
     classes = []
-    for experts in _colour_classes(device_EX, G):
+    for c in range(starts.shape[0] - 1):
+        experts = order[starts[c]:starts[c + 1]]
         on = device_EX[experts]
         valid = on >= 0
         parts = (experts, valid, np.where(valid, on, 0), np.where(valid, on, G),
                  np.where(valid, speed[np.maximum(on, 0)], 1.0))
         classes.append(ColourClass(*(torch.from_numpy(np.ascontiguousarray(a)).to(device)
                                      for a in parts)))
-    return ResplitPlan(torch.from_numpy(holds).to(device), tuple(classes))
+    return ResplitPlan(*(torch.from_numpy(a).to(device) for a in (holds,)), tuple(classes),
+                       *(torch.from_numpy(a).to(device) for a in (device_EX, speed, order,
+                                                                  starts)))
 
 
 def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor, holds_GEX: torch.Tensor) -> torch.Tensor:
@@ -146,9 +157,10 @@ def _water_fill(c: ColourClass, w_n1: torch.Tensor, share_EX: torch.Tensor,
     load_G1.index_put_((c.scatter,), base + w_n1 * new_share)
 
 
-def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
-                   sweeps: int = RESPLIT_SWEEPS) -> torch.Tensor:
-    """This step's shares: the water-filling of the module docstring, from ``share_EX``.
+def resplit_shares_torch(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
+                         sweeps: int = RESPLIT_TORCH_SWEEPS) -> torch.Tensor:
+    """The torch form: ``sweeps`` sweeps of :mod:`.resplit_kernel` (classes forwards on even
+    sweeps, backwards on odd ones), each class water-filled at once; no host sync.
 
     Args:
         w_E: [E] pairs (or any non-negative load) of each expert this step, on plan's device.
@@ -165,10 +177,47 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
     load = device_loads(w, share, plan.holds_GEX)
     load_G1 = torch.cat([load, load.new_zeros(1)])
     w_n1 = [w.index_select(0, c.experts).unsqueeze(1) for c in plan.classes]
-    for _ in range(sweeps if plan.classes else 0):
-        for c, w_c in zip(plan.classes, w_n1):
+    forwards = list(zip(plan.classes, w_n1))
+    for sweep in range(sweeps if plan.classes else 0):
+        for c, w_c in (forwards if sweep % 2 == 0 else forwards[::-1]):
             _water_fill(c, w_c, share, load_G1)
     return share
+
+
+
+
+def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan, *,
+                   sweeps: int = RESPLIT_SWEEPS, exact: bool = True) -> torch.Tensor:
+    """This step's shares, by the backend chosen for ``w_E``'s device (module docstring).
+
+    Args:
+        w_E: [E] pairs (or any non-negative load) of each expert this step, on plan's device.
+        share_EX: [E, X] float64, starting shares (the placement's), rows summing to 1.
+        plan: the layer's :class:`ResplitPlan`.
+        sweeps, exact: water-filling sweeps, then the exact flow or not
+            (:func:`.resplit_kernel.resplit_layer`); the torch form runs
+            :data:`RESPLIT_TORCH_SWEEPS` sweeps and no flow whatever they say.
+
+    Returns:
+        share_EX: [E, X] float64 on ``w_E``'s device, new shares (rows sum to 1, zero on
+        padding; experts with one replica, or no pairs, keep theirs).
+    """
+    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
+        raise ValueError(f"sweeps must be an int >= 0, got {sweeps!r}")
+    name = backend("resplit", w_E.device.type)
+    if name == "cuda" and w_E.device.type == "cuda":
+        from .resplit_cuda import resplit_shares_cuda
+
+        return resplit_shares_cuda(w_E, share_EX, plan, sweeps=sweeps, exact=exact)
+    if name == "numba" and w_E.device.type == "cpu":
+        share = share_EX.to(torch.float64, copy=True)
+        load = torch.empty(plan.speed_G.shape[0], dtype=torch.float64)
+        w = w_E.to(torch.float64).contiguous()
+        _jit.compiled().resplit_layer(w.numpy(), plan.device_EX.numpy(), plan.speed_G.numpy(),
+                                      plan.order_V.numpy(), share.numpy(), load.numpy(),
+                                      int(sweeps), bool(exact))
+        return share
+    return resplit_shares_torch(w_E, share_EX, plan)
 
 
 def optimal_max_time(w_E, phy2log_S, slot_device_S, speed_G) -> float:

@@ -56,7 +56,7 @@ _FIX = ("load it with transformers' from_pretrained and pass the model to mb.wra
 def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Placement | None = None,
                     group=None, *, model_class=None, dtype: torch.dtype | None = None,
                     exchange: str = "auto", nodes=None, grad_scale: str = "mean",
-                    resplit: bool = False, track: bool = True) -> nn.Module:
+                    resplit: bool = True, track: bool = True) -> nn.Module:
     """Load a transformers 5.x MoE checkpoint expert-parallel: this rank reads only its experts.
 
     Call on every rank of ``group`` with the same arguments, before creating the optimizer.

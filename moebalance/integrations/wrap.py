@@ -60,7 +60,7 @@ class HFExpertSlots(ExpertSlots):
 
     def __init__(self, original: nn.Module, router: nn.Module, placement: Placement, layer: int,
                  group=None, *, exchange: str = "auto", nodes=None, grad_scale: float = 1.0,
-                 resplit: bool = False, speeds=None, rows: dict | None = None) -> None:
+                 resplit: bool = True, speeds=None, rows: dict | None = None) -> None:
         super().__init__()
         names = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
                  if isinstance(getattr(original, n, None), torch.Tensor)]
@@ -140,7 +140,7 @@ def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
 
 
 def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement | None = None, *,
-         exchange: str = "auto", nodes=None, grad_scale: str = "mean", resplit: bool = False,
+         exchange: str = "auto", nodes=None, grad_scale: str = "mean", resplit: bool = True,
          track: bool = True) -> nn.Module:
     """Make a transformers 5.x MoE model expert-parallel over ``group``, in place.
 

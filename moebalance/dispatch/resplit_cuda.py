@@ -1,0 +1,105 @@
+"""The per-step re-split on the GPU: ``csrc/resplit.cu`` through CuPy, one launch per layer.
+
+The source ships inside the package (``moebalance._csrc``) and is compiled by ``cupy.RawModule``
+(NVRTC) once per device; the kernel handle is cached. The launch runs on torch's current stream,
+tensors cross zero-copy through DLPack, and the output and scratch come from torch's caching
+allocator: no host sync. Same sweeps and flow as :func:`.resplit_kernel.resplit_layer`.
+
+Importing this module never needs a GPU; calling it without CuPy and a CUDA device raises
+RuntimeError.
+
+Legend: E experts, X most replicas of an expert, G devices, C colour classes.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import threading
+
+import numpy as np
+import torch
+
+from ..backends import has_cupy_gpu
+
+__all__ = ["SOURCE_FILE", "KERNEL_NAME", "COMPILE_OPTIONS", "MAX_REPLICAS", "source",
+           "resplit_shares_cuda"]
+
+SOURCE_PACKAGE = "moebalance._csrc"
+SOURCE_FILE = "resplit.cu"
+KERNEL_NAME = "resplit_layer"
+# --fmad=false: a * b + c rounds twice, as the Numba kernel's does.
+COMPILE_OPTIONS = ("--std=c++17", "--fmad=false")
+# Replicas of one expert the kernel's per-thread scratch holds (MAX_REPLICAS in the source).
+MAX_REPLICAS = 64
+_BLOCK = 256
+
+_kernels: dict[int, object] = {}
+_lock = threading.Lock()
+
+
+def source() -> str:
+    """The CUDA C++ source of the re-split kernel, as shipped with the package."""
+    return importlib.resources.files(SOURCE_PACKAGE).joinpath(SOURCE_FILE).read_text()
+
+
+def _kernel(device_index: int):
+    """The compiled kernel for one device (compiled once, at first use, then cached)."""
+    with _lock:
+        kernel = _kernels.get(device_index)
+        if kernel is None:
+            import cupy
+
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(code=source(), options=COMPILE_OPTIONS)
+                try:
+                    kernel = module.get_function(KERNEL_NAME)
+                except cupy.cuda.compiler.CompileException as exc:
+                    raise RuntimeError(f"compiling {SOURCE_FILE} failed:\n{exc}") from exc
+            _kernels[device_index] = kernel
+        return kernel
+
+
+def resplit_shares_cuda(w_E: torch.Tensor, share_EX: torch.Tensor, plan, *, sweeps: int,
+                        exact: bool) -> torch.Tensor:
+    """This step's shares on the GPU (see :func:`moebalance.dispatch.shares.resplit_shares`).
+
+    Args:
+        w_E: [E] pairs of each expert (any real or integer dtype), on a CUDA device.
+        share_EX: [E, X] float64 starting shares, on the same device.
+        plan: the layer's :class:`~moebalance.dispatch.shares.ResplitPlan`, on that device.
+        sweeps: water-filling sweeps. exact: then the exact flow.
+
+    Returns:
+        [E, X] float64 new shares, on the device.
+    """
+    if not has_cupy_gpu():
+        raise RuntimeError("the CUDA re-split needs CuPy and a visible CUDA GPU (pip install "
+                           "'moebalance[cupy]'); on this machine use the 'numba' or 'torch' "
+                           "re-split backend (moebalance.force_backend('resplit', 'torch'))")
+    device = w_E.device
+    if device.type != "cuda" or plan.device_EX.device != device:
+        raise ValueError(f"w_E ({w_E.device}) and the ResplitPlan ({plan.device_EX.device}) must "
+                         f"be on one CUDA device; build the plan with device=w_E.device")
+    E, X = plan.device_EX.shape
+    if X > MAX_REPLICAS:
+        raise ValueError(f"the CUDA re-split handles up to {MAX_REPLICAS} replicas of an expert, "
+                         f"the placement has {X}; use the torch re-split backend")
+    G = plan.speed_G.shape[0]
+    C = plan.class_starts_C1.shape[0] - 1
+    import cupy
+
+    w = w_E.to(torch.float64).contiguous()
+    share = share_EX.to(torch.float64, copy=True).contiguous()
+    load = torch.empty(G, dtype=torch.float64, device=device)
+    fwork = torch.empty(E * X + E + 3 * G, dtype=torch.float64, device=device)
+    iwork = torch.empty(E * X + 6 * E + 6 * G + 4, dtype=torch.int64, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(index)
+    stream = torch.cuda.current_stream(index)
+    args = [cupy.from_dlpack(t) for t in (w, plan.device_EX, plan.speed_G, plan.order_V,
+                                          plan.class_starts_C1, share, load)]
+    args += [np.int64(v) for v in (E, X, G, C, sweeps, 1 if exact else 0)]
+    args += [cupy.from_dlpack(fwork), cupy.from_dlpack(iwork)]
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        kernel((1,), (_BLOCK,), tuple(args))
+    return share
