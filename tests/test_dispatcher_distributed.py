@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from _dist import case_id, run_cases
+from moebalance.collective_errors import GroupError, GroupValueError
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
 from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
@@ -429,7 +430,8 @@ def shares_are_met_for_uneven_batches_and_rank_preferences():
 
 def a_malformed_input_on_one_rank_raises_on_every_rank():
     """Rank 3 passes rows of width D + 1, then weights of the wrong shape, then goes through
-    Dispatcher.abort: every rank raises each time, and the group is still in step after."""
+    Dispatcher.abort: every rank raises the same error each time, and the group is still in
+    step after."""
     rank = dist.get_rank()
     placement = random_placement(81, 8, [2, 3, 2, 2])
     dispatcher = Dispatcher()
@@ -441,13 +443,14 @@ def a_malformed_input_on_one_rank_raises_on_every_rank():
     with pytest.raises(ValueError, match="dtype"):
         dispatcher.dispatch(half, ids, w, placement, 0)
     bad_w = w[:, :1] if rank == 3 else w
-    with pytest.raises(ValueError, match="topk_weights_TK" if rank == 3 else r"rank\(s\) \[3\]"):
+    with pytest.raises(GroupValueError, match=r"rank\(s\) \[3\].*topk_weights_TK") as info:
         dispatcher.dispatch(x, ids, bad_w, placement, 0)
+    assert info.value.ranks == [3]
     if rank == 3:
-        with pytest.raises(KeyError):
+        with pytest.raises(GroupError, match=r"rank\(s\) \[3\].*KeyError.*no router output"):
             dispatcher.abort(KeyError("no router output"), placement, 0)
     else:
-        with pytest.raises(ValueError, match=r"rank\(s\) \[3\]"):
+        with pytest.raises(GroupError, match=r"rank\(s\) \[3\].*KeyError.*no router output"):
             dispatcher.dispatch(x, ids, w, placement, 0)
     recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
     assert_close(dispatcher.combine(recv, handle), w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
