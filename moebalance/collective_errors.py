@@ -19,6 +19,12 @@ collective until the process group's timeout (gloo's default is 30 minutes). Ins
 Every rank has then posted the same collectives, so the next good step works. In a single
 process there is nothing to agree on: the original exception is raised as it is.
 
+Inside the autograd engine (gradient-sync hooks, the dispatch's backward) the failure is
+recorded per group (:func:`backward_attempt`), the rank goes on with zeros, and one callback at
+the end of the backward agrees on it (:func:`close_backward`). An exception raised by code
+outside the library in the middle of a backward (a user's tensor hook) stops that rank's
+autograd engine before any library code runs again, and cannot be carried this way.
+
 Flags travel on the CPU where the group's backend takes CPU tensors (gloo), so agreeing costs no
 device synchronisation; on an NCCL-only group they travel on the current GPU and reading them is
 a host sync.
@@ -32,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GroupError", "GroupValueError", "GroupTypeError", "Attempt", "agree",
-           "raise_failures", "flag_device", "describe"]
+           "raise_failures", "flag_device", "describe", "backward_attempt",
+           "take_backward_failure", "close_backward"]
 
 # Longest original message carried per rank (the text travels pickled, on the error path only).
 _MESSAGE_CHARS = 2000
@@ -188,3 +195,47 @@ def agree(attempt: Attempt, group, same: dict | None = None) -> None:
                                         f"another rank; every rank must pass the same {name}"))
     if flags[0] or highest != lowest:
         raise_failures(attempt, group)
+
+
+# -- backward ---------------------------------------------------------------------------------
+# Library code inside the autograd engine (gradient-sync hooks, the dispatch's backward) cannot
+# raise on one rank alone: the others would wait in the next exchange of the backward. It records
+# its failure here, goes on with zeros of the right shapes (so every rank posts the same
+# messages), and one callback at the end of the backward agrees on the group's failures.
+_BACKWARD: dict = {}    # group -> Attempt of this rank's library backward code
+_CLOSING: dict = {}     # group -> id of the backward whose closing callback is queued
+
+BACKWARD_WHERE = "backward of the expert-parallel layers"
+
+
+def backward_attempt(group) -> Attempt:
+    """The :class:`Attempt` that collects this rank's failures in library backward code of
+    ``group`` until they are agreed on (:func:`close_backward`)."""
+    attempt = _BACKWARD.get(group)
+    if attempt is None:
+        attempt = _BACKWARD[group] = Attempt(BACKWARD_WHERE)
+    return attempt
+
+
+def take_backward_failure(group) -> BaseException | None:
+    """This rank's failure in library backward code of ``group`` not yet agreed on (and forget
+    it): the next collective that carries flags reports it."""
+    attempt = _BACKWARD.pop(group, None)
+    return None if attempt is None else attempt.error
+
+
+def close_backward(group) -> None:
+    """Queue, once per backward, the agreement on the failures recorded for ``group`` during it:
+    one all-reduce of one int (:func:`agree`) after every engine callback queued so far. Call
+    it from an autograd engine callback, on every rank alike (the gradient sync does)."""
+    task = torch._C._current_graph_task_id()
+    if _CLOSING.get(group) == task:
+        return
+    _CLOSING[group] = task
+
+    def agree_on_backward():
+        _CLOSING.pop(group, None)
+        attempt = _BACKWARD.pop(group, None) or Attempt(BACKWARD_WHERE)
+        agree(attempt, group)
+
+    torch.autograd.Variable._execution_engine.queue_callback(agree_on_backward)

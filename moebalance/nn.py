@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .collective_errors import Attempt
+from .collective_errors import Attempt, take_backward_failure
 from .dispatch.dispatcher import Dispatcher
 from .expert_slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
                            moe_layers, reduce_replica_gradients)
@@ -400,6 +400,10 @@ class ExpertParallelMoE(ExpertSlots):
         """
         before = Attempt(f"ExpertParallelMoE.forward of layer {self.layer} (router)")
         x_TD = topk_weights = topk_ids = None
+        # A failure of this rank's last backward that no collective has reported yet.
+        left = take_backward_failure(self.dispatcher.group)
+        if left is not None:
+            before.fail(left)
         with before.run():
             self._commit_pending()
             if not isinstance(hidden_states, torch.Tensor) or \
