@@ -5,6 +5,7 @@
     moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance bench resplit ...                      per-step re-split benchmark
     moebalance bench wrap ...                         a wrapped transformers model against one process
+    moebalance bench faults ...                       one rank's error on every rank (4 gloo ranks)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
     moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]   modelled step time per policy
@@ -206,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
-SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck")
+SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck", "faults")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:

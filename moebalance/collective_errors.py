@@ -188,11 +188,17 @@ def agree(attempt: Attempt, group, same: dict | None = None) -> None:
     flags = flags.tolist()
     n = len(values)
     highest, lowest = flags[1:1 + n], [-v for v in flags[1 + n:]]
-    if not attempt.failed:
-        for (name, value), hi, lo in zip((same or {}).items(), highest, lowest):
-            if hi != lo and value != hi:
-                attempt.fail(ValueError(f"the ranks disagree on {name}: {value} here, {hi} on "
-                                        f"another rank; every rank must pass the same {name}"))
+    if highest != lowest:
+        # Error path only: every rank's values, so that the odd ones out are named.
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, values, group=group)
+        for i, name in enumerate(same):
+            column = [theirs[i] for theirs in everyone]
+            common = max(set(column), key=lambda v: (column.count(v), -v))
+            if column != [common] * len(column) and values[i] != common:
+                attempt.fail(ValueError(f"{name} is {values[i]} here but {common} on most ranks "
+                                        f"(rank by rank: {column}); every rank must hold the "
+                                        f"same {name}"))
     if flags[0] or highest != lowest:
         raise_failures(attempt, group)
 

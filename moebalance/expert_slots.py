@@ -215,12 +215,14 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
             attempt.fail(left)
         posted = []
         for kind, p in enumerate(layer.slot_parameters()):
-            increment = torch.zeros_like(p)
             with attempt.run():
+                increment = torch.zeros_like(p)
                 if p.grad is not None:
                     _check_grad(p.grad, p, f"the gradient of slot tensor {kind}")
                     increment = p.grad
-            posted.append((p, exchange.post(increment, kind, group)))
+                posted.append((p, exchange.post(increment, kind, group)))
+            if len(posted) == kind:     # it failed: zeros take this rank's part
+                posted.append((p, exchange.post(torch.zeros_like(p), kind, group)))
         for p, post in posted:
             total = exchange.finish(post)
             if attempt.failed:

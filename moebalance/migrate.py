@@ -578,8 +578,15 @@ class Migration:
         transfer = self._transfers.get(layer)
         if transfer is None or self.error is not None:
             return False
-        ok, message = self._wait(transfer)
-        failures = self._agree(ok, message)
+        # A rank that could not even post its transfers says so first: the others then fail
+        # at once instead of waiting timeout_s for rows that will never come (one more
+        # all-reduce of one int per committed layer, at placement changes only).
+        unposted = next((work.exc for work in transfer.works if isinstance(work, _Failed)), None)
+        failures = self._agree(unposted is None, "" if unposted is None else
+                               f"{type(unposted).__name__}: {unposted}".strip())
+        if not failures:
+            ok, message = self._wait(transfer)
+            failures = self._agree(ok, message)
         del self._transfers[layer]
         if failures:
             self._fail(layer, failures)

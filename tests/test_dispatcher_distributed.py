@@ -471,6 +471,24 @@ def a_new_placement_object_every_step_is_routed_by_its_own_shares():
     assert len(dispatcher._states) <= 4
 
 
+def manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step():
+    """grad_sync="manual" where no expert has a second replica: the expert gradients stay as
+    they are, the router's is summed over the ranks, and the group stays in step."""
+    placement = Placement(np.arange(8)[None], np.ones((1, 8)), np.repeat(np.arange(4), 2),
+                          8).validate()
+    dense = DenseMoE(D, F, 8, 2, seed=5)
+    moe = ExpertParallelMoE.from_dense(dense, placement, grad_sync="manual")
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    moe(x).square().sum().backward()
+    experts = moe.experts.gate_up.grad.clone()
+    router = moe.router.weight.grad.clone()
+    reduce_replica_gradients(moe)
+    assert torch.equal(moe.experts.gate_up.grad, experts)
+    dist.all_reduce(router)
+    assert_close(moe.router.weight.grad, router)
+    assert_close(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
     outputs_and_gradients_match_dense_with_node_preference,
@@ -487,6 +505,7 @@ CASES = [
     shares_are_met_for_uneven_batches_and_rank_preferences,
     a_malformed_input_on_one_rank_raises_on_every_rank,
     a_new_placement_object_every_step_is_routed_by_its_own_shares,
+    manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step,
 ]
 
 
