@@ -19,7 +19,7 @@ SECONDS = 10.0
 
 @pytest.fixture(scope="module")
 def matrix():
-    return {row["fault"]: row for row in run_matrix(ranks=4, timeout_s=20.0)}
+    return {row["fault"]: row for row in run_matrix(ranks=4, timeout_s=20.0)["rows"]}
 
 
 def _explain(row) -> str:

@@ -459,6 +459,24 @@ def _worker(rank: int, world: int, cfg: dict, result_dir: str) -> None:
         results[name] = entry
         _write(path, results)
         dist.barrier()
+    results["_agree_s"] = _agree_cost()
+    _write(path, results)
+
+
+def _agree_cost(repeats: int = 200) -> float:
+    """Median seconds of one :func:`~moebalance.collective_errors.agree` that finds no failure
+    (what the combine and the end of a backward pay on a good step)."""
+    import torch.distributed as dist
+
+    from moebalance.collective_errors import Attempt, agree
+
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        agree(Attempt("timing"), None)
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
 
 
 def _write(path: str, results: dict) -> None:
@@ -468,10 +486,11 @@ def _write(path: str, results: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_matrix(cfg: dict | None = None, *, ranks: int = 4, timeout_s: float = 20.0) -> list[dict]:
-    """Run every case on ``ranks`` spawned gloo ranks; one dict per case.
+def run_matrix(cfg: dict | None = None, *, ranks: int = 4, timeout_s: float = 20.0) -> dict:
+    """Run every case on ``ranks`` spawned gloo ranks.
 
-    Each dict: ``fault``, ``where``, ``per_rank`` (what each rank saw: type, message, library,
+    Returns ``{"rows": [one dict per case], "agree_s": seconds}``: ``agree_s`` is the median
+    time of one agreement that finds no failure (slowest rank). Each row: ``fault``, ``where``, ``per_rank`` (what each rank saw: type, message, library,
     ranks, start, end, next_ok, case_error), and the verdicts ``all_raised``, ``same_type``,
     ``same_text``, ``library``, ``names_faulty``, ``next_ok`` and ``seconds`` (last rank's raise
     minus the common start; None unless every rank raised).
@@ -506,7 +525,8 @@ def run_matrix(cfg: dict | None = None, *, ranks: int = 4, timeout_s: float = 20
         row["type"] = seen[0]["type"] if row["same_type"] else None
         row["message"] = seen[0]["message"] if row["same_text"] else None
         rows.append(row)
-    return rows
+    costs = [results["_agree_s"] for results in per_rank if "_agree_s" in results]
+    return {"rows": rows, "agree_s": max(costs) if len(costs) == ranks else None}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -525,7 +545,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"top-{cfg['top_k']}, {cfg['tokens']} tokens per rank; collective timeout "
           f"{args.timeout} s (one spawn, about half a minute)", flush=True)
     started = time.perf_counter()
-    rows = run_matrix(cfg, ranks=args.ranks, timeout_s=args.timeout)
+    matrix = run_matrix(cfg, ranks=args.ranks, timeout_s=args.timeout)
+    rows = matrix["rows"]
     elapsed = time.perf_counter() - started
     cells = []
     for row in rows:
@@ -535,11 +556,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                       f"{row['seconds']:.3f}" if row["seconds"] is not None else "-",
                       "works" if row["next_ok"] else "FAILS"])
     table = format_text(COLUMNS, cells)
+    agree_s = matrix["agree_s"]
+    cost = ("-" if agree_s is None else f"{agree_s * 1e6:.0f} us")
     print()
     print(table)
+    print(f"\ngood-path cost of one agreement (all-reduce of one int, median, slowest rank): {cost}")
     info = machine_info(argv)
-    (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "rows": rows},
-                                                 indent=2) + "\n", encoding="utf-8")
+    (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "rows": rows,
+                                                  "agree_s": agree_s}, indent=2) + "\n",
+                                                 encoding="utf-8")
     md = markdown_header("moebalance fault matrix", info) + [
         f"- each fault on rank {FAULTY} of {args.ranks} gloo ranks, one thread each; float64 "
         f"layer D={cfg['hidden']}, F={cfg['ffn']}, {cfg['experts']} experts, top-{cfg['top_k']}, "
@@ -547,7 +572,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         format_markdown(COLUMNS, cells), "",
         "Seconds: from the moment every rank starts the faulty call (after a barrier) until the "
         "last rank raised. 'next step': the following good step gives the dense layer's output "
-        "(and, after a migration fault, the same migration retried goes through)."]
+        "(and, after a migration fault, the same migration retried goes through).", "",
+        f"Good-path cost of one agreement (one all-reduce of one int; the combine and the end of "
+        f"each backward pay one): {cost} (median of 200, slowest rank)."]
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     good = all(row["library"] and row["same_text"] and row["next_ok"] for row in rows)
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
