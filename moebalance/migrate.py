@@ -728,7 +728,8 @@ def _check_staged(tensor: torch.Tensor, local: torch.Tensor, rows_in: torch.Tens
     # only on the CPU, where they live for gloo.
     if local.numel() and local.device.type == "cpu" and not (
             0 <= int(local.min()) and int(local.max()) < tensor.shape[0]):
-        raise ValueError(f"staged rows go to slots {local.tolist()}, outside [0, {tensor.shape[0]})")
+        raise ValueError(f"staged rows go to slots {local.tolist()}, outside "
+                         f"[0, {tensor.shape[0]})")
 
 
 class _Failed:

@@ -408,8 +408,9 @@ class ExpertParallelMoE(ExpertSlots):
             self._commit_pending()
             if not isinstance(hidden_states, torch.Tensor) or \
                     hidden_states.shape[-1:] != (self.hidden_dim,):
-                raise ValueError(f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], "
-                                 f"got {tuple(getattr(hidden_states, 'shape', ()))}")
+                raise ValueError(f"hidden_states must be a tensor of shape "
+                                 f"[..., {self.hidden_dim}], got "
+                                 f"{tuple(getattr(hidden_states, 'shape', ()))}")
             x_TD = hidden_states.reshape(-1, self.hidden_dim)
             _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,

@@ -363,8 +363,8 @@ class LoadTracker:
             L, E1 = self.num_layers, self.num_experts + 1
             loads_LE1 = host[:L * E1].view(L, E1)
             nonfinite_G = None if nonfinite_G is None else host[L * E1:]
-        handle = LoadSnapshot(loads_LE1, work=work, event=event, layer_names=self.layer_names or None,
-                              nonfinite_G=nonfinite_G)
+        handle = LoadSnapshot(loads_LE1, work=work, event=event,
+                              layer_names=self.layer_names or None, nonfinite_G=nonfinite_G)
         return handle if async_op else handle.wait()
 
     def state_dict(self) -> dict:

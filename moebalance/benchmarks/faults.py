@@ -490,7 +490,8 @@ def run_matrix(cfg: dict | None = None, *, ranks: int = 4, timeout_s: float = 20
     """Run every case on ``ranks`` spawned gloo ranks.
 
     Returns ``{"rows": [one dict per case], "agree_s": seconds}``: ``agree_s`` is the median
-    time of one agreement that finds no failure (slowest rank). Each row: ``fault``, ``where``, ``per_rank`` (what each rank saw: type, message, library,
+    time of one agreement that finds no failure (slowest rank). Each row: ``fault``, ``where``,
+    ``per_rank`` (what each rank saw: type, message, library,
     ranks, start, end, next_ok, case_error), and the verdicts ``all_raised``, ``same_type``,
     ``same_text``, ``library``, ``names_faulty``, ``next_ok`` and ``seconds`` (last rank's raise
     minus the common start; None unless every rank raised).
@@ -539,7 +540,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a "
+                         f"writable folder")
     print(f"moebalance fault matrix: {len(CASES)} faults, each on rank {FAULTY} of {args.ranks} "
           f"gloo ranks; float64 layer D={cfg['hidden']} F={cfg['ffn']}, {cfg['experts']} experts, "
           f"top-{cfg['top_k']}, {cfg['tokens']} tokens per rank; collective timeout "
@@ -560,7 +562,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cost = ("-" if agree_s is None else f"{agree_s * 1e6:.0f} us")
     print()
     print(table)
-    print(f"\ngood-path cost of one agreement (all-reduce of one int, median, slowest rank): {cost}")
+    print(f"\ngood-path cost of one agreement (all-reduce of one int, median, slowest rank): "
+          f"{cost}")
     info = machine_info(argv)
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "rows": rows,
                                                   "agree_s": agree_s}, indent=2) + "\n",

@@ -515,8 +515,9 @@ class Dispatcher:
             raise TypeError(f"y_MD must be a torch.Tensor, got {type(y_MD).__name__}")
         M = handle.num_recv_rows
         if y_MD.dim() != 2 or y_MD.shape[0] != M or not y_MD.is_floating_point():
-            raise ValueError(f"y_MD must be a float tensor of shape [M, D] with M={M} (rows returned "
-                             f"by dispatch), got shape {tuple(y_MD.shape)} and dtype {y_MD.dtype}")
+            raise ValueError(f"y_MD must be a float tensor of shape [M, D] with M={M} (rows "
+                             f"returned by dispatch), got shape {tuple(y_MD.shape)} and dtype "
+                             f"{y_MD.dtype}")
         if y_MD.device != handle.pos_TK.device:
             raise ValueError(f"y_MD is on {y_MD.device} but the dispatch ran on "
                              f"{handle.pos_TK.device}")
