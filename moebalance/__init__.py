@@ -11,6 +11,7 @@ from .speeds import SpeedTracker
 from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
                            reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
+from .collective_errors import GroupError
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "LoadTracker", "attach", "SpeedTracker",
     "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
     "reduce_replica_gradients", "clip_grad_norm_", "plan_migration", "MigrationError",
+    "GroupError",
     "__version__",
 ]
 

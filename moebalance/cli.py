@@ -6,6 +6,8 @@
     moebalance bench resplit ...                      per-step re-split benchmark
     moebalance bench wrap ...                         a wrapped transformers model against one process
     moebalance bench pretrained ...                   peak memory of mb.from_pretrained per rank
+    moebalance bench faults ...                       one rank's error on every rank (4 gloo ranks)
+    moebalance bench straggler ...                    measured speeds and a slowed rank (4 gloo ranks)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
     moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]   modelled step time per policy
@@ -208,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
 SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck", "straggler",
-                  "pretrained")
+                  "pretrained", "faults")
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collective_errors import Attempt, agree, take_backward_failure
 from .migrate import Migrator, plan_migration, row_bytes
 from .placement import Placement
 from .replica_sync import GradientSync, HolderExchange
@@ -204,10 +205,28 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
         if layer._sync is None or layer.grad_sync != "manual":
             continue
         exchange, group, scale = layer._exchange, layer.dispatcher.group, layer._sync.scale
-        posted = [(p, exchange.post(p.grad if p.grad is not None else torch.zeros_like(p), kind, group))
-                  for kind, p in enumerate(layer.slot_parameters())]
+        # A gradient that cannot be exchanged on one rank (wrong shape, dtype or device) is
+        # replaced by zeros there, so every rank posts the same messages; the ranks then agree
+        # and all raise the same error (with one more all-reduce of one int, beside a whole
+        # gradient exchange). A failure left from the backward travels with it.
+        attempt = Attempt(f"reduce_replica_gradients of layer {layer.layer}")
+        left = take_backward_failure(group)
+        if left is not None:
+            attempt.fail(left)
+        posted = []
+        for kind, p in enumerate(layer.slot_parameters()):
+            with attempt.run():
+                increment = torch.zeros_like(p)
+                if p.grad is not None:
+                    _check_grad(p.grad, p, f"the gradient of slot tensor {kind}")
+                    increment = p.grad
+                posted.append((p, exchange.post(increment, kind, group)))
+            if len(posted) == kind:     # it failed: zeros take this rank's part
+                posted.append((p, exchange.post(torch.zeros_like(p), kind, group)))
         for p, post in posted:
             total = exchange.finish(post)
+            if attempt.failed:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             rows = exchange.rep_slots.to(p.device)
@@ -216,11 +235,26 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
             p.grad.index_copy_(0, rows, (total * scale).to(p.grad.dtype))
         if include_router:
             for p in layer._sync.group_params:
-                if p.grad is None:
+                with attempt.run():
+                    if p.grad is not None:
+                        _check_grad(p.grad, p, "the gradient of a router parameter")
+                if not attempt.failed and p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-                if scale != 1.0:
-                    p.grad.mul_(scale)
+                total = torch.zeros_like(p) if attempt.failed else p.grad
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                if scale != 1.0 and not attempt.failed:
+                    total.mul_(scale)
+        agree(attempt, group)
+
+
+def _check_grad(grad, param: torch.Tensor, name: str) -> None:
+    """Raise ValueError unless ``grad`` can be reduced as ``param``'s gradient."""
+    if (not isinstance(grad, torch.Tensor) or grad.shape != param.shape
+            or grad.dtype != param.dtype or grad.device != param.device):
+        raise ValueError(f"{name} is {getattr(grad, 'dtype', type(grad).__name__)} "
+                         f"{tuple(getattr(grad, 'shape', ()))} on {getattr(grad, 'device', '?')}; "
+                         f"it must match the parameter: {param.dtype} {tuple(param.shape)} on "
+                         f"{param.device}")
 
 
 def current_placement(module: nn.Module) -> Placement:
@@ -270,23 +304,29 @@ def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topolo
             valid placement (the old one where the new one did not commit) and no row is lost.
     """
     layers = _require_layers(module)
-    if not isinstance(new, Placement):
-        raise TypeError(f"new must be a moebalance.Placement, got {type(new).__name__}")
     groups = {id(layer.dispatcher.group) for layer in layers}
     if len(groups) != 1:
         raise ValueError("the expert-parallel layers of module use different process groups; "
                          "apply a placement to each group's layers separately")
-    if len({layer.layer for layer in layers}) != len(layers):
-        raise ValueError("two expert-parallel layers of module share a placement layer index; "
-                         "give each layer its own `layer`")
     for layer in layers:
         if layer._pending is not None:
             layer._pending.wait()
-    old = current_placement(module)
-    new.validate()
-    params = {layer.layer: layer.slot_parameters() for layer in layers}
-    plan = plan_migration(old, new, topology,
-                          expert_bytes=max(row_bytes(p, optimizer) for p in params.values()))
+    # Checks and planning are local: the ranks agree on them (one all-reduce of one int, once
+    # per placement change) before the first transfer, so a bad `new` on one rank raises the
+    # same error everywhere.
+    attempt = Attempt("apply_placement")
+    with attempt.run():
+        if not isinstance(new, Placement):
+            raise TypeError(f"new must be a moebalance.Placement, got {type(new).__name__}")
+        if len({layer.layer for layer in layers}) != len(layers):
+            raise ValueError("two expert-parallel layers of module share a placement layer "
+                             "index; give each layer its own `layer`")
+        old = current_placement(module)
+        new.validate()
+        params = {layer.layer: layer.slot_parameters() for layer in layers}
+        plan = plan_migration(old, new, topology,
+                              expert_bytes=max(row_bytes(p, optimizer) for p in params.values()))
+    agree(attempt, layers[0].dispatcher.group)
     migrator = Migrator(layers[0].dispatcher.group, timeout_s=timeout_s,
                         max_bytes_in_flight=max_bytes_in_flight)
     migration = migrator.start(plan, params, optimizer)

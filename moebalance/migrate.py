@@ -23,7 +23,8 @@ as Lightning runs it, commits before the update, which is as exact.) Keeping a s
 replaying the optimizer update on it would avoid that resend, but only by re-implementing every
 optimizer; a resend is one more transfer of the same bytes.
 
-Commit of a layer: every rank waits for its own transfers of the layer (with a timeout), then the
+Commit of a layer: every rank waits for its own transfers of the layer (with a timeout) and checks
+that every staged row fits the row it replaces (shape, dtype, device, slot index), then the
 ranks agree with one small collective; only if every rank's transfers landed do all ranks copy
 the staged rows into place (weights and optimizer state together) and call the layer's commit
 callbacks (the caller swaps placement, routing and gradient-sync tables there). If any rank
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .collective_errors import GroupError
 from .placement import Placement
 from .topology import Topology
 
@@ -92,7 +94,7 @@ def _same_everywhere(text: str, group) -> bool:
     return int(both[0]) == digest and int(both[1]) == -digest
 
 
-class MigrationError(RuntimeError):
+class MigrationError(GroupError):
     """A migration failed on some rank; every rank raises the same text and keeps the old placement."""
 
 
@@ -576,8 +578,15 @@ class Migration:
         transfer = self._transfers.get(layer)
         if transfer is None or self.error is not None:
             return False
-        ok, message = self._wait(transfer)
-        failures = self._agree(ok, message)
+        # A rank that could not even post its transfers says so first: the others then fail
+        # at once instead of waiting timeout_s for rows that will never come (one more
+        # all-reduce of one int per committed layer, at placement changes only).
+        unposted = next((work.exc for work in transfer.works if isinstance(work, _Failed)), None)
+        failures = self._agree(unposted is None, "" if unposted is None else
+                               f"{type(unposted).__name__}: {unposted}".strip())
+        if not failures:
+            ok, message = self._wait(transfer)
+            failures = self._agree(ok, message)
         del self._transfers[layer]
         if failures:
             self._fail(layer, failures)
@@ -609,7 +618,8 @@ class Migration:
                     # NCCL: wait() orders the current stream after the transfer, the host runs
                     # on; the group's own timeout (its watchdog) bounds a transfer that hangs.
                     work.wait()
-            for _, _, rows_in in transfer.staged:
+            for tensor, local, rows_in in transfer.staged:
+                _check_staged(tensor, local, rows_in)
                 if rows_in.is_cuda:   # staged on the side stream, read on the current one
                     rows_in.record_stream(torch.cuda.current_stream(rows_in.device))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the same error on all ranks
@@ -634,7 +644,8 @@ class Migration:
         self.error = MigrationError(
             f"migration of layer {layer} failed ({detail}); every rank keeps the placement its "
             f"layers hold now (the {len(self.committed)} layer(s) committed before hold the new "
-            f"one, the others the old one) and no staged row was written; re-plan to retry")
+            f"one, the others the old one) and no staged row was written; re-plan to retry",
+            f"migration of layer {layer}", failures)
         self._drain_all()
         self._queue.clear()
         self.migrator.forget_transfer_group()
@@ -701,6 +712,24 @@ class Migration:
             self.resends += len(stale)
         if not self.done:
             self._start_next()
+
+
+def _check_staged(tensor: torch.Tensor, local: torch.Tensor, rows_in: torch.Tensor) -> None:
+    """Raise ValueError unless ``rows_in`` [n, ...] can be copied into rows ``local`` [n] of
+    ``tensor`` [Ls, ...]: checked before the ranks agree, so the copy itself cannot fail on one
+    rank alone."""
+    if (rows_in.shape[1:] != tensor.shape[1:] or rows_in.shape[0] != local.shape[0]
+            or rows_in.dtype != tensor.dtype or rows_in.device != tensor.device
+            or local.device != tensor.device):
+        raise ValueError(f"staged rows {rows_in.dtype} {tuple(rows_in.shape)} on {rows_in.device} "
+                         f"do not fit {local.shape[0]} rows of a slot tensor {tensor.dtype} "
+                         f"{tuple(tensor.shape)} on {tensor.device}")
+    # The slot indices come from the plan (host ints): their range is read without a device sync
+    # only on the CPU, where they live for gloo.
+    if local.numel() and local.device.type == "cpu" and not (
+            0 <= int(local.min()) and int(local.max()) < tensor.shape[0]):
+        raise ValueError(f"staged rows go to slots {local.tolist()}, outside "
+                         f"[0, {tensor.shape[0]})")
 
 
 class _Failed:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .collective_errors import Attempt, take_backward_failure
 from .dispatch.dispatcher import Dispatcher
 from .expert_slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
                            moe_layers, reduce_replica_gradients)
@@ -394,26 +395,41 @@ class ExpertParallelMoE(ExpertSlots):
     # -- forward --------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``."""
-        self._commit_pending()
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.hidden_dim,):
-            # The other ranks are entering the dispatch: join its count exchange with a flag so
-            # that they raise too instead of waiting for this rank.
-            self.dispatcher.abort(ValueError(
-                f"hidden_states must be a tensor of shape [..., {self.hidden_dim}], got "
-                f"{tuple(getattr(hidden_states, 'shape', ()))}"), self.placement, self.layer,
-                device=getattr(hidden_states, "device", None))
-        x_TD = hidden_states.reshape(-1, self.hidden_dim)
-        _, topk_weights, topk_ids = self.router(x_TD)
+        """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``.
+
+        An exception on one rank anywhere in the step (commit of a migrated layer, input
+        checks, router, experts) is raised on every rank of the group as the same
+        :class:`~moebalance.collective_errors.GroupError`: the router's part travels with the
+        dispatch's count exchange, the experts' part with the combine's agreement.
+        """
+        before = Attempt(f"ExpertParallelMoE.forward of layer {self.layer} (router)")
+        x_TD = topk_weights = topk_ids = None
+        # A failure of this rank's last backward that no collective has reported yet.
+        left = take_backward_failure(self.dispatcher.group)
+        if left is not None:
+            before.fail(left)
+        with before.run():
+            self._commit_pending()
+            if not isinstance(hidden_states, torch.Tensor) or \
+                    hidden_states.shape[-1:] != (self.hidden_dim,):
+                raise ValueError(f"hidden_states must be a tensor of shape "
+                                 f"[..., {self.hidden_dim}], got "
+                                 f"{tuple(getattr(hidden_states, 'shape', ()))}")
+            x_TD = hidden_states.reshape(-1, self.hidden_dim)
+            _, topk_weights, topk_ids = self.router(x_TD)
         recv_MD, handle = self.dispatcher.dispatch(x_TD, topk_ids, topk_weights, self.placement,
-                                                   self.layer)
+                                                   self.layer, attempt=before)
+        experts = Attempt(f"ExpertParallelMoE.forward of layer {self.layer} (experts)")
+        y_MD = None
         timer = self.expert_timer           # a SpeedTracker's, when one times this layer
-        if timer is not None:
-            recv_MD = timer.begin(recv_MD)
-        y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
-        if timer is not None:
-            y_MD = timer.end(y_MD)
-        return self.dispatcher.combine(y_MD, handle).reshape(hidden_states.shape)
+        with experts.run():
+            if timer is not None:
+                recv_MD = timer.begin(recv_MD)
+            y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
+            if timer is not None:
+                y_MD = timer.end(y_MD)
+        out_TD = self.dispatcher.combine(y_MD, handle, attempt=experts)
+        return out_TD.reshape(hidden_states.shape)
 
     # -- gradient sync --------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ replicated rows (async), and returns the increment with those rows zeroed; a cal
 the autograd engine waits for the exchange when backward ends and adds the sum to ``.grad``.
 ``.grad`` then holds ``previous + sum of increments`` on every replica, bit-identical, also under
 gradient accumulation, and it is final when ``backward()`` returns, before any gradient clipping.
+A hook or finishing step that fails on one rank posts zeros instead, so that every rank posts the
+same messages, and the group agrees on the failure when backward ends
+(:func:`moebalance.collective_errors.close_backward`): every rank raises the same error.
 Parameters replicated on every rank (a router, embeddings) use the same path with an all-reduce
 (SUM) of the whole increment, in buckets of a few MB launched in a fixed order as they fill.
 
@@ -33,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+
+from .collective_errors import backward_attempt, close_backward
 
 __all__ = ["HolderExchange", "GradientSync"]
 
@@ -107,7 +112,9 @@ class HolderExchange:
         """Start exchanging the replicated rows of ``increment`` ([Ls, ...], one slot tensor's
         gradient increment); ``kind`` numbers the tensor within the layer."""
         device = increment.device
-        mine_nR = increment.index_select(0, self.rep_slots.to(device)).reshape(self.num_held, -1)
+        # The row length is explicit: with no replicated row (n = 0) -1 could not be inferred.
+        mine_nR = increment.index_select(0, self.rep_slots.to(device)).reshape(
+            self.num_held, increment[0].numel())
         R = mine_nR.shape[1]
         ops, pair_in, split_in = [], [], []
         tag = self._tag(kind, 0)
@@ -224,7 +231,7 @@ class GradientSync:
         self.group_params = [p for p in group_params if p.requires_grad]
         self.enabled = True
         self._pending: list[Callable[[], None]] = []
-        self._queued = False
+        self._queued = None      # the backward (graph task id) whose finishing step is queued
         self._handles = []
         for kind, param in enumerate(slot_params):
             self._handles.append(param.register_hook(self._slot_hook(param, kind)))
@@ -238,17 +245,28 @@ class GradientSync:
         self._handles = []
 
     def _queue_finish(self) -> None:
-        if not self._queued:
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if self._queued != task:
+            if self._queued is not None:
+                # A backward that stopped before its end (an exception in the engine) left steps
+                # of its own: they must not add into this one's gradients.
+                self._pending = []
+                self._ready = [{} for _ in self._buckets]
+                self._launched = 0
+            self._queued = task
             Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
+        failures = backward_attempt(self.group)
         if self.group_params:
-            self._launch_ready(everything=True)
+            with failures.run():
+                self._launch_ready(everything=True)
             self._launched = 0
-        pending, self._pending, self._queued = self._pending, [], False
+        pending, self._pending, self._queued = self._pending, [], None
         for step in pending:
-            step()
+            with failures.run():
+                step()
+        close_backward(self.group)
 
     # The hooks hold the sync and their tensor by weak reference: a tensor whose hook refers back
     # to it (or to a module owning it) makes a cycle that only the garbage collector frees, so the
@@ -264,7 +282,13 @@ class GradientSync:
             scaled = grad if self.scale == 1.0 else grad * self.scale
             if exchange.num_held == 0:
                 return None if self.scale == 1.0 else scaled
-            posted = exchange.post(grad, kind, self.group)
+            failures = backward_attempt(self.group)
+            try:
+                posted = exchange.post(grad, kind, self.group)
+            except Exception as exc:  # noqa: BLE001 - agreed on when backward ends
+                failures.fail(exc)
+                # Zeros take this rank's part, so its peers' messages still find their match.
+                posted = exchange.post(torch.zeros_like(param), kind, self.group)
             rows = exchange.rep_slots.to(grad.device)
 
             def add_sum():

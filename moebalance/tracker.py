@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._arrays import positive_int
+from .collective_errors import Attempt, GroupValueError, agree
 
 # Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
 ROUTER_CHILD_NAMES = ("gate", "router")
@@ -64,8 +65,10 @@ class LoadSnapshot:
     the handle is returned; only :meth:`wait` blocks.
     """
 
-    def __init__(self, loads_LE1: torch.Tensor, work=None, event=None, layer_names=None):
+    def __init__(self, loads_LE1: torch.Tensor, work=None, event=None, layer_names=None,
+                 nonfinite_G: torch.Tensor | None = None):
         self._loads_LE1 = loads_LE1  # last column: invalid ids per layer
+        self._nonfinite_G = nonfinite_G   # NaN/inf loads of each rank (a view of the same buffer)
         self._work = work
         self._event = event
         self._layer_names = layer_names
@@ -82,13 +85,23 @@ class LoadSnapshot:
     def wait(self) -> np.ndarray:
         """Block until the loads are on the host; return them as float64 [L, E].
 
-        Raises ValueError if any rank recorded an expert id outside ``[-1, E)``.
+        Raises ValueError if any rank recorded an expert id outside ``[-1, E)``, and
+        GroupValueError (the same text on every rank) if any rank's loads held NaN or inf.
         """
         if self._result is None:
             if self._work is not None:
                 self._work.wait()
             if self._event is not None:
                 self._event.synchronize()
+            if self._nonfinite_G is not None:
+                bad = self._nonfinite_G.numpy()
+                if np.any(bad > 0):
+                    ranks = np.flatnonzero(bad > 0).tolist()
+                    raise GroupValueError(
+                        f"LoadTracker.snapshot: the tracked loads of rank(s) {ranks} hold "
+                        f"{int(bad.sum())} NaN or inf values; reset() the tracker there or "
+                        f"load a state_dict with finite counts", "LoadTracker.snapshot",
+                        [(g, f"{int(bad[g])} non-finite loads") for g in ranks])
             host = self._loads_LE1.numpy()
             invalid_L = host[:, -1]
             if np.any(invalid_L > 0):
@@ -320,20 +333,38 @@ class LoadTracker:
             with torch.no_grad():
                 invalid_L = (self._invalid_L + self._live_LE2[:, self.num_experts + 1]).to(torch.float64)
                 loads_LE1 = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
-        work = None
+        work = nonfinite_G = None
         if distributed:
-            work = dist.all_reduce(loads_LE1, group=group, async_op=True)
+            # Trackers of another shape on one rank would meet in an all-reduce of mismatched
+            # sizes: the ranks agree on L and E first (one all-reduce of a few host ints, once per
+            # snapshot). NaN/inf loads are counted per rank in the reduce itself (no host sync).
+            attempt = Attempt("LoadTracker.snapshot")
+            agree(attempt, group, same={"tracker num_layers": self.num_layers,
+                                        "tracker num_experts": self.num_experts})
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            with torch.no_grad():
+                mine_G = loads_LE1.new_zeros(world)
+                mine_G[rank] = (~torch.isfinite(loads_LE1)).sum()
+                flat = torch.cat([loads_LE1.reshape(-1), mine_G])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            loads_LE1 = flat[:-world].view(self.num_layers, self.num_experts + 1)
+            nonfinite_G = flat[-world:]
         event = None
         if loads_LE1.is_cuda:
             if work is not None:
                 work.wait()  # NCCL: orders the copy after the reduction on the stream, host runs on
                 work = None
-            host = torch.empty(loads_LE1.shape, dtype=loads_LE1.dtype, pin_memory=True)
-            host.copy_(loads_LE1, non_blocking=True)
+            flat = loads_LE1 if nonfinite_G is None else torch.cat([loads_LE1.reshape(-1),
+                                                                    nonfinite_G])
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            loads_LE1 = host
-        handle = LoadSnapshot(loads_LE1, work=work, event=event, layer_names=self.layer_names or None)
+            L, E1 = self.num_layers, self.num_experts + 1
+            loads_LE1 = host[:L * E1].view(L, E1)
+            nonfinite_G = None if nonfinite_G is None else host[L * E1:]
+        handle = LoadSnapshot(loads_LE1, work=work, event=event,
+                              layer_names=self.layer_names or None, nonfinite_G=nonfinite_G)
         return handle if async_op else handle.wait()
 
     def state_dict(self) -> dict:

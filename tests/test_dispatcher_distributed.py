@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from _dist import case_id, run_cases
+from moebalance.collective_errors import GroupError, GroupValueError
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
 from moebalance.dispatch.routing import replica_table
@@ -444,7 +445,8 @@ def shares_are_met_for_uneven_batches_and_rank_preferences():
 
 def a_malformed_input_on_one_rank_raises_on_every_rank():
     """Rank 3 passes rows of width D + 1, then weights of the wrong shape, then goes through
-    Dispatcher.abort: every rank raises each time, and the group is still in step after."""
+    Dispatcher.abort: every rank raises the same error each time, and the group is still in
+    step after."""
     rank = dist.get_rank()
     placement = random_placement(81, 8, [2, 3, 2, 2])
     dispatcher = Dispatcher()
@@ -456,13 +458,14 @@ def a_malformed_input_on_one_rank_raises_on_every_rank():
     with pytest.raises(ValueError, match="dtype"):
         dispatcher.dispatch(half, ids, w, placement, 0)
     bad_w = w[:, :1] if rank == 3 else w
-    with pytest.raises(ValueError, match="topk_weights_TK" if rank == 3 else r"rank\(s\) \[3\]"):
+    with pytest.raises(GroupValueError, match=r"rank\(s\) \[3\].*topk_weights_TK") as info:
         dispatcher.dispatch(x, ids, bad_w, placement, 0)
+    assert info.value.ranks == [3]
     if rank == 3:
-        with pytest.raises(KeyError):
+        with pytest.raises(GroupError, match=r"rank\(s\) \[3\].*KeyError.*no router output"):
             dispatcher.abort(KeyError("no router output"), placement, 0)
     else:
-        with pytest.raises(ValueError, match=r"rank\(s\) \[3\]"):
+        with pytest.raises(GroupError, match=r"rank\(s\) \[3\].*KeyError.*no router output"):
             dispatcher.dispatch(x, ids, w, placement, 0)
     recv, handle = dispatcher.dispatch(x, ids, w, placement, 0)
     assert_close(dispatcher.combine(recv, handle), w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6)
@@ -483,6 +486,24 @@ def a_new_placement_object_every_step_is_routed_by_its_own_shares():
     assert len(dispatcher._states) <= 4
 
 
+def manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step():
+    """grad_sync="manual" where no expert has a second replica: the expert gradients stay as
+    they are, the router's is summed over the ranks, and the group stays in step."""
+    placement = Placement(np.arange(8)[None], np.ones((1, 8)), np.repeat(np.arange(4), 2),
+                          8).validate()
+    dense = DenseMoE(D, F, 8, 2, seed=5)
+    moe = ExpertParallelMoE.from_dense(dense, placement, grad_sync="manual")
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    moe(x).square().sum().backward()
+    experts = moe.experts.gate_up.grad.clone()
+    router = moe.router.weight.grad.clone()
+    reduce_replica_gradients(moe)
+    assert torch.equal(moe.experts.gate_up.grad, experts)
+    dist.all_reduce(router)
+    assert_close(moe.router.weight.grad, router)
+    assert_close(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
     outputs_and_gradients_match_dense_with_node_preference,
@@ -499,6 +520,7 @@ CASES = [
     shares_are_met_for_uneven_batches_and_rank_preferences,
     a_malformed_input_on_one_rank_raises_on_every_rank,
     a_new_placement_object_every_step_is_routed_by_its_own_shares,
+    manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step,
 ]
 
 

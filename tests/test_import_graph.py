@@ -19,7 +19,8 @@ PACKAGE = "moebalance"
 
 # STYLE.md's layout: the ground floor imports nothing above it ...
 GROUND_FLOOR = {f"{PACKAGE}.{name}" for name in (
-    "_arrays", "topology", "measure", "backends", "tracker", "placement", "metrics", "workloads")}
+    "_arrays", "topology", "measure", "backends", "tracker", "placement", "metrics", "workloads",
+    "collective_errors")}
 # ... and the top floor is imported by nothing below it but the package's public face
 # (moebalance/__init__.py exports warm_up) and ``python -m moebalance``.
 TOP_FLOOR_MODULES = {f"{PACKAGE}.{name}" for name in ("warmup", "cli", "cli_args", "__main__")}

@@ -29,9 +29,13 @@ exchanges only move rows, so every exchange gives bit-identical outputs and grad
 
 Host syncs: one per dispatch, the ``.tolist()`` of the split sizes and rows per local slot (the
 row exchange and the expert GEMMs need host ints), which follow from the flow table, with the
-bad-input flags of every rank. Expert ids outside ``[0, E)`` and wrong shapes, dtypes or devices
-of the inputs are reported through the count exchange, so every rank of the group raises
-together instead of leaving the others waiting in a collective.
+bad-input flags of every rank. Expert ids outside ``[0, E)``, wrong shapes, dtypes or devices of
+the inputs, and any exception of the caller's own work before the dispatch (an
+:class:`~moebalance.collective_errors.Attempt` passed in, e.g. the MoE layer's router) are
+reported through the count exchange, so every rank of the group raises the same
+:class:`~moebalance.collective_errors.GroupError` instead of leaving the others waiting in a
+collective. ``combine`` agrees on its inputs (and on the caller's work between the two, e.g. the
+experts) with one all-reduce of one int before its exchange.
 
 Autograd: see :mod:`.autograd`; ``x.requires_grad`` must agree across the ranks of the group
 (it does when all ranks run the same model). Buffers: see :mod:`.buffers`. A Dispatcher is
@@ -52,6 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..collective_errors import Attempt, GroupValueError, agree, raise_failures
 from ..placement import Placement
 from .autograd import CombineRows, DispatchRows
 from .buffers import release_buffers
@@ -364,7 +369,7 @@ class Dispatcher:
     # -- dispatch ------------------------------------------------------------------------------
 
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 placement: Placement, layer: int):
+                 placement: Placement, layer: int, *, attempt: Attempt | None = None):
         """Send each routed pair's token row to one replica of its expert.
 
         Args:
@@ -373,21 +378,31 @@ class Dispatcher:
             topk_weights_TK: [T, K] float, weight of each pair (kept for :meth:`combine`).
             placement: the current placement; ``placement.num_devices`` must equal the group size.
             layer: index of this MoE layer in the placement.
+            attempt: the caller's local work before this dispatch (e.g. its router); if it
+                failed, this rank joins the count exchange with a flag and every rank raises
+                the same :class:`~moebalance.collective_errors.GroupError`.
 
         Returns:
             recv_x_MD: [M, D], the rows this rank's slots process, grouped by local slot.
             handle: :class:`DispatchHandle` for :meth:`combine`.
+
+        Raises:
+            GroupValueError / GroupTypeError / GroupError: on every rank, when any rank's inputs
+            (or ``attempt``) failed; the text names the ranks and their messages.
         """
         state = self._state(placement, layer)
         E, S, G = placement.num_experts, placement.num_slots, self.world_size
-        try:
-            self._check_inputs(x_TD, topk_ids_TK, topk_weights_TK)
-        except (TypeError, ValueError) as exc:
-            self.abort(exc, placement, layer, device=self._exchange_device(x_TD))
+        if attempt is None:
+            attempt = Attempt(f"dispatch of layer {layer}")
+        if not attempt.failed:
+            with attempt.run():
+                self._check_inputs(x_TD, topk_ids_TK, topk_weights_TK)
+                layer_state = state.layer(int(layer), x_TD.device)
+        if attempt.failed:
+            self._join_failed(attempt, E, self._exchange_device(x_TD))
 
         device = x_TD.device
         kernels = kernels_for(device.type)
-        layer_state = state.layer(int(layer), device)
         table = layer_state.table
         ids_TK = topk_ids_TK.to(torch.int64)
         # Out-of-range ids are clamped for routing and reported after the count exchange, so
@@ -415,7 +430,7 @@ class Dispatcher:
         # The one host sync of the per-step path.
         host = np.asarray(torch.cat([counts_S, recv_GL.reshape(-1), rows_GC[:, E:].reshape(-1)])
                           .tolist(), dtype=np.int64)
-        self._raise_on_flags(host[S + recv_GL.numel():].reshape(G, _FLAGS), E)
+        self._raise_on_flags(host[S + recv_GL.numel():].reshape(G, _FLAGS), E, attempt)
         counts_S_host = host[:S]
         recv_GL_host = host[S:S + recv_GL.numel()].reshape(G, -1)
 
@@ -438,83 +453,112 @@ class Dispatcher:
 
     def abort(self, error: BaseException, placement: Placement, layer: int, *,
               device: torch.device | str | None = None):
-        """Raise ``error`` here and a ValueError on every other rank of the group.
+        """Raise the same :class:`~moebalance.collective_errors.GroupError` (carrying
+        ``error``'s text) on every rank of the group; ``error`` itself in a single process.
 
-        For a rank that cannot dispatch (bad input found before ``dispatch``, e.g. by the MoE
-        layer): it joins the count exchange the other ranks are in, with a flag, so that they
-        raise instead of waiting for it until the process group's timeout.
+        For a rank that cannot dispatch (bad input found before ``dispatch``): it joins the
+        count exchange the other ranks are in, with a flag, so that they raise instead of
+        waiting for it until the process group's timeout. (Passing ``attempt=`` to
+        :meth:`dispatch` does the same for any exception of a block of code.)
 
         Args:
-            error: the exception to raise on this rank.
+            error: the exception this rank hit.
             placement, layer: those of the dispatch the other ranks are running.
             device: where the count exchange runs (the rows' device; default CPU, or the
                 current CUDA device on an NCCL group).
         """
         if not isinstance(error, BaseException):
             raise TypeError(f"error must be an exception, got {type(error).__name__}")
-        if self.world_size > 1:
-            E = self._state(placement, layer).placement.num_experts
-            row = torch.zeros(E + _FLAGS, dtype=torch.int64,
-                              device=self._exchange_device(None) if device is None else device)
-            row[E + _BAD_INPUT] = 1
-            self._gather_rows(row)
-        raise error
+        attempt = Attempt(f"dispatch of layer {layer}")
+        attempt.fail(error)
+        E = self._state(placement, layer).placement.num_experts
+        self._join_failed(attempt, E, self._exchange_device(None) if device is None else device)
 
-    def _raise_on_flags(self, flags_GF: np.ndarray, num_experts: int) -> None:
-        """Raise on every rank if any rank flagged bad input, expert ids out of range, or rows
-        of another width or dtype than the others (``flags_GF`` [G, 4] host ints)."""
-        bad_ranks = np.flatnonzero(flags_GF[:, _BAD_INPUT]).tolist()
-        if bad_ranks:
-            raise ValueError(f"rank(s) {bad_ranks} passed malformed x_TD / topk_ids_TK / "
-                             f"topk_weights_TK to dispatch (their error names the argument); "
-                             f"every rank of the group stops this dispatch")
+    def _join_failed(self, attempt: Attempt, num_experts: int, device) -> None:
+        """This rank cannot dispatch: join the count exchange with the bad-input flag, then
+        raise with every rank (:func:`~moebalance.collective_errors.raise_failures`)."""
+        if self.world_size > 1:
+            row = torch.zeros(num_experts + _FLAGS, dtype=torch.int64, device=device)
+            row[num_experts + _BAD_INPUT] = 1
+            self._gather_rows(row)
+        raise_failures(attempt, self.group)
+
+    def _raise_on_flags(self, flags_GF: np.ndarray, num_experts: int, attempt: Attempt) -> None:
+        """Raise the same error on every rank if any rank flagged a failed attempt, expert ids
+        out of range, or rows of another width or dtype than the others (``flags_GF`` [G, 4]
+        host ints)."""
+        if flags_GF[:, _BAD_INPUT].any():
+            raise_failures(attempt, self.group)
         for column, what in ((_WIDTH, "width D"), (_DTYPE, "dtype")):
             values = flags_GF[:, column]
             if np.any(values != values[0]):
                 shown = (values.tolist() if column == _WIDTH
                          else [str(_DTYPE_CODES[v]) if v >= 0 else "other" for v in values])
-                raise ValueError(f"the ranks of the group passed x_TD rows of different {what} "
-                                 f"(rank by rank: {shown}); every rank must dispatch rows of one "
-                                 f"width and dtype")
-        self._raise_bad_ids(flags_GF[:, _BAD_IDS].tolist(), num_experts)
-
-    def _raise_bad_ids(self, bad_per_rank: list, num_experts: int) -> None:
-        """Raise on every rank if any rank's ids were out of range (``bad_per_rank`` [G])."""
-        if not any(bad_per_rank):
-            return
-        mine = bad_per_rank[self.rank]
-        if mine:
-            raise ValueError(f"topk_ids_TK holds {mine} expert ids outside [0, {num_experts}); the "
-                             f"router and the placement must agree on the number of experts")
-        bad_ranks = [g for g, n in enumerate(bad_per_rank) if n]
-        raise ValueError(f"rank(s) {bad_ranks} passed topk_ids_TK with expert ids outside "
-                         f"[0, {num_experts}); every rank of the group stops this dispatch")
+                raise GroupValueError(
+                    f"the ranks of the group passed x_TD rows of different {what} (rank by "
+                    f"rank: {shown}); every rank must dispatch rows of one width and dtype",
+                    attempt.where, [(g, f"x_TD {what} {shown[g]}") for g in range(len(shown))
+                                    if values[g] != values[0]])
+        bad_per_rank = flags_GF[:, _BAD_IDS].tolist()
+        if any(bad_per_rank):
+            bad_ranks = [g for g, n in enumerate(bad_per_rank) if n]
+            raise GroupValueError(
+                f"topk_ids_TK holds {sum(bad_per_rank)} expert ids outside [0, {num_experts}) "
+                f"(on rank(s) {bad_ranks}); the router and the placement must agree on the "
+                f"number of experts; every rank of the group stops this dispatch",
+                attempt.where, [(g, f"{n} expert ids out of range") for g, n in
+                                enumerate(bad_per_rank) if n])
 
     # -- combine -------------------------------------------------------------------------------
 
-    def combine(self, y_MD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Bring the slots' outputs back and sum each token's K results with its weights.
-
-        Args:
-            y_MD: [M, D'] float, one output row per row of the ``recv_x`` that ``dispatch``
-                returned, in the same order (D' may differ from D).
-            handle: the :class:`DispatchHandle` of that dispatch.
-
-        Returns:
-            out_TD': [T, D'] in y's dtype: ``out[t] = sum_k topk_weights[t, k] * y[row of (t, k)]``.
-        """
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be the DispatchHandle returned by dispatch(), got "
-                            f"{type(handle).__name__}")
+    @staticmethod
+    def _check_combine(y_MD, handle: DispatchHandle) -> None:
         if not isinstance(y_MD, torch.Tensor):
             raise TypeError(f"y_MD must be a torch.Tensor, got {type(y_MD).__name__}")
         M = handle.num_recv_rows
         if y_MD.dim() != 2 or y_MD.shape[0] != M or not y_MD.is_floating_point():
-            raise ValueError(f"y_MD must be a float tensor of shape [M, D] with M={M} (rows returned "
-                             f"by dispatch), got shape {tuple(y_MD.shape)} and dtype {y_MD.dtype}")
+            raise ValueError(f"y_MD must be a float tensor of shape [M, D] with M={M} (rows "
+                             f"returned by dispatch), got shape {tuple(y_MD.shape)} and dtype "
+                             f"{y_MD.dtype}")
         if y_MD.device != handle.pos_TK.device:
             raise ValueError(f"y_MD is on {y_MD.device} but the dispatch ran on "
                              f"{handle.pos_TK.device}")
+
+    def combine(self, y_MD: torch.Tensor, handle: DispatchHandle, *,
+                attempt: Attempt | None = None) -> torch.Tensor:
+        """Bring the slots' outputs back and sum each token's K results with its weights.
+
+        Args:
+            y_MD: [M, D'] float, one output row per row of the ``recv_x`` that ``dispatch``
+                returned, in the same order (D' may differ from D; every rank's D' and dtype
+                must agree).
+            handle: the :class:`DispatchHandle` of that dispatch.
+            attempt: the caller's local work since the dispatch (e.g. its experts); if it
+                failed, every rank raises the same error here.
+
+        Returns:
+            out_TD': [T, D'] in y's dtype: ``out[t] = sum_k topk_weights[t, k] * y[row of (t, k)]``.
+
+        Raises:
+            GroupValueError / GroupTypeError / GroupError: on every rank of the group, when any
+            rank's ``y_MD`` is malformed or its ``attempt`` failed. Agreeing costs one
+            all-reduce of one int (the row exchange cannot carry a flag without copying every
+            row), on the CPU where the backend takes CPU tensors.
+        """
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the DispatchHandle returned by dispatch(), got "
+                            f"{type(handle).__name__}")
+        if attempt is None:
+            attempt = Attempt(f"combine of layer {handle.layer}")
+        with attempt.run():
+            self._check_combine(y_MD, handle)
+        if handle.exchange_kind != "local":
+            ok = isinstance(y_MD, torch.Tensor) and y_MD.dim() == 2
+            agree(attempt, self.group, same={
+                "width D' of y_MD": y_MD.shape[1] if ok else -1,
+                "dtype of y_MD": _dtype_code(y_MD.dtype) if ok else -1})
+        elif attempt.failed:
+            raise attempt.error
         K = handle.pos_TK.shape[1]
         return CombineRows.apply(y_MD.contiguous(), handle.topk_weights_TK, handle.pos_TK,
                                  handle.order_N // K, handle.order_N, handle.exchange,

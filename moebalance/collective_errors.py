@@ -1,0 +1,247 @@
+"""One rank's error is every rank's error: local blocks whose failure the group agrees on.
+
+Code that runs on every rank of a group between collectives can fail on one rank alone (a router
+given rows of another dtype, a malformed expert output, a gradient of the wrong shape, a staged
+row that does not fit). If that rank raised at once, the others would wait for it in the next
+collective until the process group's timeout (gloo's default is 30 minutes). Instead:
+
+1. the local block runs inside :meth:`Attempt.run`, which records its exception instead of
+   raising it (the rank goes on with harmless stand-in values of the right shapes, so that it
+   posts exactly the collectives the others post);
+2. the collective that follows anyway carries :attr:`Attempt.flag` (the dispatcher's count
+   exchange has a column for it); where no collective follows, :func:`agree` is one all-reduce
+   of a single int64;
+3. once every rank knows some rank failed, :func:`raise_failures` gathers every rank's message
+   (one ``all_gather_object``, on the error path only) and every rank raises the same
+   :class:`GroupError`, naming the failing ranks and their original messages. The failing rank
+   raises it ``from`` its original exception.
+
+Every rank has then posted the same collectives, so the next good step works. In a single
+process there is nothing to agree on: the original exception is raised as it is.
+
+Inside the autograd engine (gradient-sync hooks, the dispatch's backward) the failure is
+recorded per group (:func:`backward_attempt`), the rank goes on with zeros, and one callback at
+the end of the backward agrees on it (:func:`close_backward`). An exception raised by code
+outside the library in the middle of a backward (a user's tensor hook) stops that rank's
+autograd engine before any library code runs again, and cannot be carried this way.
+
+Flags travel on the CPU where the group's backend takes CPU tensors (gloo), so agreeing costs no
+device synchronisation; on an NCCL-only group they travel on the current GPU and reading them is
+a host sync.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupError", "GroupValueError", "GroupTypeError", "Attempt", "agree",
+           "raise_failures", "flag_device", "describe", "backward_attempt",
+           "take_backward_failure", "close_backward"]
+
+# Longest original message carried per rank (the text travels pickled, on the error path only).
+_MESSAGE_CHARS = 2000
+
+
+class GroupError(RuntimeError):
+    """An exception on one or more ranks of a process group, raised on every rank of the group
+    with the same text.
+
+    Attributes:
+        where: what the group was doing (e.g. "ExpertParallelMoE.forward of layer 0").
+        failures: [(rank, "ExceptionType: message")] of every rank that failed, in rank order.
+    """
+
+    def __init__(self, message: str, where: str = "", failures=()) -> None:
+        super().__init__(message)
+        self.where = where
+        self.failures = list(failures)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that failed."""
+        return [rank for rank, _ in self.failures]
+
+
+class GroupValueError(GroupError, ValueError):
+    """A :class:`GroupError` whose first failing rank raised a ValueError (bad input)."""
+
+
+class GroupTypeError(GroupError, TypeError):
+    """A :class:`GroupError` whose first failing rank raised a TypeError (an argument's type)."""
+
+
+def describe(exc: BaseException) -> str:
+    """``"ExceptionType: message"`` of ``exc`` (a GroupError's own text as it is)."""
+    if isinstance(exc, GroupError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+class Attempt:
+    """Local blocks of one rank whose failure is agreed on by the group.
+
+    ``with attempt.run(): ...`` records the first exception raised inside (later blocks still
+    run and may record nothing more); :attr:`flag` is 1 once a block failed. The collective that
+    follows carries the flag, then :func:`raise_failures` (or :func:`agree`, which does both)
+    raises on every rank.
+
+    Args:
+        where: what the blocks are part of, for the message every rank raises.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.error: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def flag(self) -> int:
+        return int(self.error is not None)
+
+    def fail(self, error: BaseException) -> None:
+        """Record ``error`` (if no earlier block failed)."""
+        if self.error is None:
+            self.error = error
+
+    @contextmanager
+    def run(self):
+        """Run a local block; an Exception inside is recorded, not raised (KeyboardInterrupt and
+        other BaseExceptions still propagate: the process is going down anyway)."""
+        try:
+            yield self
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by raise_failures
+            self.fail(exc)
+
+
+def flag_device(group) -> torch.device:
+    """Where a flag can travel in ``group``: the CPU if its backend takes CPU tensors (gloo),
+    else the current CUDA device."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _world(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def raise_failures(attempt: Attempt, group) -> None:
+    """Raise the same :class:`GroupError` on every rank of ``group``. Collective: call it on every
+    rank once the group knows that some rank's attempt failed.
+
+    One ``all_gather_object`` of each rank's message. The class follows the lowest failing
+    rank's exception (:class:`GroupValueError` for a ValueError, :class:`GroupTypeError` for a
+    TypeError, else :class:`GroupError`); in a single process the original exception is raised.
+    """
+    if _world(group) == 1:
+        if attempt.error is not None:
+            raise attempt.error
+        raise GroupError(f"{attempt.where} failed", attempt.where)
+    mine = None
+    if attempt.error is not None:
+        kind = ("value" if isinstance(attempt.error, ValueError) else
+                "type" if isinstance(attempt.error, TypeError) else "other")
+        mine = (kind, describe(attempt.error)[:_MESSAGE_CHARS])
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    failures = [(rank, theirs[1]) for rank, theirs in enumerate(everyone) if theirs is not None]
+    kinds = [theirs[0] for theirs in everyone if theirs is not None]
+    cls = {"value": GroupValueError, "type": GroupTypeError}.get(kinds[0] if kinds else "",
+                                                                 GroupError)
+    ranks = [rank for rank, _ in failures]
+    detail = "; ".join(f"rank {rank}: {message}" for rank, message in failures)
+    error = cls(f"{attempt.where} failed on rank(s) {ranks} ({detail}); every rank of the group "
+                f"raises this error and no collective is left half-posted", attempt.where,
+                failures)
+    raise error from attempt.error
+
+
+def agree(attempt: Attempt, group, same: dict | None = None) -> None:
+    """Raise the same :class:`GroupError` on every rank of ``group`` if any rank's ``attempt``
+    failed (or the ranks' ``same`` values differ), else return.
+
+    Collective: one all-reduce (MAX) of ``1 + 2 * len(same)`` int64 on :func:`flag_device`, plus
+    :func:`raise_failures` on the error path. Use it only where no collective follows the local
+    block anyway (one that does should carry ``attempt.flag``).
+
+    Args:
+        same: name -> int that every rank must hold alike (e.g. the width of the rows about to
+            travel); a rank that holds another value than the group's largest is reported.
+    """
+    if _world(group) == 1:
+        if attempt.error is not None:
+            raise attempt.error
+        return
+    values = list((same or {}).values())
+    row = [attempt.flag] + values + [-v for v in values]
+    flags = torch.tensor(row, dtype=torch.int64, device=flag_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flags = flags.tolist()
+    n = len(values)
+    highest, lowest = flags[1:1 + n], [-v for v in flags[1 + n:]]
+    if highest != lowest:
+        # Error path only: every rank's values, so that the odd ones out are named.
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, values, group=group)
+        for i, name in enumerate(same):
+            column = [theirs[i] for theirs in everyone]
+            common = max(set(column), key=lambda v: (column.count(v), -v))
+            if column != [common] * len(column) and values[i] != common:
+                attempt.fail(ValueError(f"{name} is {values[i]} here but {common} on most ranks "
+                                        f"(rank by rank: {column}); every rank must hold the "
+                                        f"same {name}"))
+    if flags[0] or highest != lowest:
+        raise_failures(attempt, group)
+
+
+# -- backward ---------------------------------------------------------------------------------
+# Library code inside the autograd engine (gradient-sync hooks, the dispatch's backward) cannot
+# raise on one rank alone: the others would wait in the next exchange of the backward. It records
+# its failure here, goes on with zeros of the right shapes (so every rank posts the same
+# messages), and one callback at the end of the backward agrees on the group's failures.
+_BACKWARD: dict = {}    # group -> Attempt of this rank's library backward code
+_CLOSING: dict = {}     # group -> id of the backward whose closing callback is queued
+
+BACKWARD_WHERE = "backward of the expert-parallel layers"
+
+
+def backward_attempt(group) -> Attempt:
+    """The :class:`Attempt` that collects this rank's failures in library backward code of
+    ``group`` until they are agreed on (:func:`close_backward`)."""
+    attempt = _BACKWARD.get(group)
+    if attempt is None:
+        attempt = _BACKWARD[group] = Attempt(BACKWARD_WHERE)
+    return attempt
+
+
+def take_backward_failure(group) -> BaseException | None:
+    """This rank's failure in library backward code of ``group`` not yet agreed on (and forget
+    it): the next collective that carries flags reports it."""
+    attempt = _BACKWARD.pop(group, None)
+    return None if attempt is None else attempt.error
+
+
+def close_backward(group) -> None:
+    """Queue, once per backward, the agreement on the failures recorded for ``group`` during it:
+    one all-reduce of one int (:func:`agree`) after every engine callback queued so far. Call
+    it from an autograd engine callback, on every rank alike (the gradient sync does)."""
+    task = torch._C._current_graph_task_id()
+    if _CLOSING.get(group) == task:
+        return
+    _CLOSING[group] = task
+
+    def agree_on_backward():
+        _CLOSING.pop(group, None)
+        attempt = _BACKWARD.pop(group, None) or Attempt(BACKWARD_WHERE)
+        agree(attempt, group)
+
+    torch.autograd.Variable._execution_engine.queue_callback(agree_on_backward)

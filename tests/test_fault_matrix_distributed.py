@@ -1,0 +1,57 @@
+"""DESIGN invariant 10: one rank's error is every rank's error, and the next good step works.
+
+Every fault of :mod:`moebalance.benchmarks.faults` strikes rank 1 of 4 gloo ranks, all cases in
+one spawn (the runner ``moebalance bench faults`` uses, at its small size), with a collective
+timeout of 20 s: a fault that left the other ranks waiting would fail its case in seconds.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moebalance.benchmarks.faults import CASES, FAULTY, run_matrix
+
+# A raise that every rank sees this long after the common start is a wait, not a carried error.
+SECONDS = 10.0
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return {row["fault"]: row for row in run_matrix(ranks=4, timeout_s=20.0)["rows"]}
+
+
+def _explain(row) -> str:
+    lines = [f"{row['fault']} ({row['where']}); spawn: {row['spawn_error']}"]
+    for rank, entry in enumerate(row["per_rank"]):
+        lines.append(f"rank {rank}: {entry}")
+    return "\n".join(lines)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", [name for name, _, _ in CASES])
+def test_one_ranks_fault_raises_the_same_error_on_every_rank(matrix, fault):
+    row = matrix[fault]
+    why = _explain(row)
+    assert row["all_raised"], why
+    assert row["same_type"] and row["same_text"], why
+    assert row["library"], why                       # a GroupError (MigrationError is one)
+    assert row["names_faulty"], why                  # it names the rank that failed
+    assert re.search(rf"rank\(s\) \[{FAULTY}\]|\(rank {FAULTY}: ", row["message"]), why
+    assert row["seconds"] < SECONDS, why
+    assert row["next_ok"], why
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_error_keeps_the_original_message(matrix):
+    """The faulty rank's own words reach every rank."""
+    assert "expected m1 and m2 to have the same dtype" in \
+        matrix["float32 rows into a float64 layer"]["message"]
+    assert "the router's pre-hook failed" in matrix["router raises"]["message"]
+    assert "expert ids outside [0, 8)" in matrix["router ids out of range"]["message"]
+    assert "y_MD must be a float tensor" in matrix["expert output one row short"]["message"]
+    assert "(rank by rank: [8, 9, 8, 8])" in matrix["tracker of another shape"]["message"]
+    assert matrix["tracker of another shape"]["per_rank"][0]["ranks"] == [FAULTY]
