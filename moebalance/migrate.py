@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .device_index import to_device_async
 from .placement import Placement
 from .topology import Topology
 
@@ -297,6 +298,10 @@ class _LayerTransfer:
     staged: list          # [(destination tensor, local rows [n] int64, staged rows [n, ...])]
     started_step: int
     bytes_sent: int
+    # CUDA: recorded on the side stream after the staging; the commit's stream waits for it.
+    ready: torch.cuda.Event | None = None
+    # Whether every rank's transfers of this layer landed, once the ranks agreed (None: not yet).
+    landed: bool | None = None
 
 
 class Migrator:
@@ -444,6 +449,7 @@ class Migration:
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
         self._hooks = []
+        self._failures: list[tuple[int, str]] = []
         self._gloo = migrator.world_size == 1 or dist.get_backend(migrator.group) == "gloo"
         if optimizer is not None:
             self._hooks = [optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -522,31 +528,49 @@ class Migration:
         sent = 0
         tag0 = (_TAG_BASE + (self._number % 1024) * _TAG_LAYERS * _TAG_KINDS
                 + (layer % _TAG_LAYERS) * _TAG_KINDS)
+        # Every index this rank uses for the layer, in one host array and one copy: per peer the
+        # slots it sends from, the slots it stages into, and (a copy inside this rank) its sources.
+        moves = []                # (peer, out rows, inc rows)
+        pieces, offset = [], 0
+        for peer in range(mig.world_size):
+            out = rows[(src == rank) & (dst == peer)] if peer != rank else rows[:0]
+            inc = rows[(dst == rank) & (src == peer)]
+            spans = []
+            for part in (plan.src_slot_M[out], plan.dst_slot_M[inc],
+                         plan.src_slot_M[inc] if peer == rank else plan.src_slot_M[:0]):
+                pieces.append(part)
+                spans.append((offset, offset + part.size))
+                offset += part.size
+            moves.append((peer, out.size, inc.size, spans))
+        host = torch.from_numpy(np.concatenate(pieces).astype(np.int64, copy=False))
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        ready = None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.no_grad(), (torch.cuda.stream(side) if side is not None else nullcontext()):
+            # Pinned and non-blocking: the host never waits for the compute stream here.
+            index = to_device_async(host, device)
             for k, tensor in enumerate(kinds):
-                for peer in range(mig.world_size):
-                    out = rows[(src == rank) & (dst == peer)]
-                    inc = rows[(dst == rank) & (src == peer)]
-                    if out.size and peer != rank:
-                        index = torch.from_numpy(plan.src_slot_M[out]).to(device)
-                        buf = tensor.index_select(0, index)
+                for peer, num_out, num_inc, spans in moves:
+                    (o0, o1), (l0, l1), (c0, c1) = spans
+                    if num_out:
+                        buf = tensor.index_select(0, index[o0:o1])
                         ops.append((True, peer, buf, tag0 + k))
                         sent += buf.numel() * buf.element_size()
-                    if inc.size:
-                        local = torch.from_numpy(plan.dst_slot_M[inc]).to(device)
+                    if num_inc:
+                        local = index[l0:l1]
                         if peer == rank:   # a copy inside this rank: staged now, no message
-                            rows_in = tensor.index_select(
-                                0, torch.from_numpy(plan.src_slot_M[inc]).to(device))
+                            rows_in = tensor.index_select(0, index[c0:c1])
                         else:
-                            rows_in = tensor.new_empty((inc.size, *tensor.shape[1:]))
+                            rows_in = tensor.new_empty((num_inc, *tensor.shape[1:]))
                             ops.append((False, peer, rows_in, tag0 + k))
                         staged.append((tensor, local, rows_in))
             works = self._issue(ops)
+            if side is not None:
+                ready = torch.cuda.Event()
+                ready.record(side)
         self.bytes_sent += sent
-        return _LayerTransfer(works, staged, self._optimizer_steps, sent)
+        return _LayerTransfer(works, staged, self._optimizer_steps, sent, ready)
 
     def _issue(self, ops: list[tuple]) -> list:
         """Post ``ops`` ((is_send, peer, tensor, tag)) and return their works (the fault seam)."""
@@ -576,14 +600,23 @@ class Migration:
         transfer = self._transfers.get(layer)
         if transfer is None or self.error is not None:
             return False
-        ok, message = self._wait(transfer)
-        failures = self._agree(ok, message)
+        if transfer.landed is None:
+            self._settle()
+        failures = transfer.landed is False
         del self._transfers[layer]
         if failures:
-            self._fail(layer, failures)
+            self._fail(layer, self._failures)
             return False
         with torch.no_grad():
+            if transfer.ready is not None and transfer.staged:
+                # The staged rows and their index were made on the side stream: order the writes
+                # after it on the stream that commits (also when every move stays on this rank
+                # and no transfer work orders it), and keep their memory alive for that stream.
+                stream = torch.cuda.current_stream(transfer.staged[0][0].device)
+                stream.wait_event(transfer.ready)
             for tensor, local, rows_in in transfer.staged:
+                if local.is_cuda:
+                    local.record_stream(torch.cuda.current_stream(local.device))
                 tensor.index_copy_(0, local, rows_in)
                 # A slot that changes expert starts without the old expert's gradient.
                 if getattr(tensor, "grad", None) is not None:
@@ -594,6 +627,23 @@ class Migration:
         if self.done:
             self._finish()
         return True
+
+    def _settle(self) -> None:
+        """Wait for every started transfer and agree, once for all of them, whether they landed.
+
+        The ranks start the same layers (from the plan), so the set is the same on every rank;
+        one agreement per boundary instead of one per committed layer (each one a host sync with
+        NCCL).
+        """
+        layers = sorted(self._transfers)
+        messages = []
+        for layer in layers:
+            ok, message = self._wait(self._transfers[layer])
+            if not ok:
+                messages.append(f"layer {layer}: {message}" if len(layers) > 1 else message)
+        self._failures = self._agree(not messages, "; ".join(messages))
+        for layer in layers:
+            self._transfers[layer].landed = not self._failures
 
     def _wait(self, transfer: _LayerTransfer) -> tuple[bool, str]:
         timeout = timedelta(seconds=self.migrator.timeout_s)

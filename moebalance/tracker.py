@@ -330,8 +330,10 @@ class LoadTracker:
                 work = None
             host = torch.empty(loads_LE1.shape, dtype=loads_LE1.dtype, pin_memory=True)
             host.copy_(loads_LE1, non_blocking=True)
+            # The copy runs on the loads' device's current stream, which need not be the
+            # current device's: the event goes on that stream.
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(loads_LE1.device))
             loads_LE1 = host
         handle = LoadSnapshot(loads_LE1, work=work, event=event, layer_names=self.layer_names or None)
         return handle if async_op else handle.wait()
