@@ -65,7 +65,7 @@ def source() -> str:
 
 @functools.lru_cache(maxsize=None)
 def signatures() -> dict[str, tuple[Param, ...]]:
-    """``{kernel: its parameters}`` read from :func:`source` (what every launch is checked against)."""
+    """``{kernel: its parameters}`` read from :func:`source` (each launch is checked against it)."""
     return kernel_signatures(source())
 
 

@@ -64,7 +64,8 @@ def _expand(text: str, name: str, params: list[str], body: str) -> str:
             end += 1
         args = [a.strip() for a in text[match.end():end - 1].split(",")]
         if len(args) != len(params):
-            raise ValueError(f"macro {name} takes {len(params)} arguments, a use passes {len(args)}")
+            raise ValueError(f"macro {name} takes {len(params)} arguments, a use passes "
+                             f"{len(args)}")
         values = dict(zip(params, args))
         # Words outside string literals are the parameters' uses (extern "C" keeps its "C").
         expanded = re.sub(r'"[^"\n]*"|\b\w+\b', lambda m: values.get(m.group(0), m.group(0)),
