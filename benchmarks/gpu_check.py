@@ -3,7 +3,7 @@
 The one command for a machine with a CUDA GPU, from the repository root:
 
     python3 benchmarks/gpu_check.py                  # every check, sized for <= 6 min on one H200
-    python3 benchmarks/gpu_check.py --sanitize       # also compute-sanitizer memcheck + racecheck
+    python3 benchmarks/gpu_check.py --sanitize       # + compute-sanitizer memcheck, racecheck (5 min)
     python3 benchmarks/gpu_check.py --only kernels   # one check (repeat --only for more)
     python3 benchmarks/gpu_check.py --device cpu     # the checks' CPU forms (any machine)
 
@@ -106,8 +106,10 @@ SANITIZE_KERNEL_SHAPES = KERNEL_SHAPES[:2]
 BANDWIDTH_TARGET = 0.8
 # The host syncs documented on the per-step path: one per dispatch (dispatch/dispatcher.py).
 DOCUMENTED_SYNCS_PER_DISPATCH = 1
-# Wall-clock budget of a whole run (every check's timeout is cut to what is left of it).
+# Wall-clock budget of a whole run (every check's timeout is cut to what is left of it), and
+# what --sanitize adds to it.
 BUDGET_S = 360.0
+SANITIZE_BUDGET_S = 300.0
 
 
 # -- running each check in its own process ----------------------------------------------------
@@ -143,8 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         metavar="NAME", help="run only this check (repeatable): "
                         + ", ".join(c.name for c in CHECKS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
-                        help=f"wall-clock budget of the run in seconds (default {BUDGET_S:.0f})")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"wall-clock budget of the run in seconds (default {BUDGET_S:.0f}, "
+                             f"{SANITIZE_BUDGET_S:.0f} more with --sanitize)")
     parser.add_argument("--out", default="gpu_check.json", metavar="FILE",
                         help="where to write the JSON results (default gpu_check.json)")
     # Internal: run one check in this process and write its result to --result.
@@ -826,6 +829,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     results = Results()
     checks = selected_checks(args)
+    if args.budget_s is None:
+        args.budget_s = BUDGET_S + (SANITIZE_BUDGET_S if args.sanitize else 0.0)
 
     def write(status: str) -> None:
         out.write_text(json.dumps({

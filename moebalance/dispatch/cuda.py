@@ -207,10 +207,7 @@ def sort_by_slot(slot_TK: torch.Tensor,
     pos = torch.empty(slot_TK.shape, dtype=torch.int64, device=device)
     if n == 0:
         return order, pos, torch.zeros(num_slots, dtype=torch.int64, device=device)
-    chunk = _MIN_SORT_CHUNK
-    # Past one chunk the table is [S, 1] and cannot shrink (S > 2**22 still needs its S counts).
-    while chunk < n and num_slots * -(-n // chunk) > _MAX_HIST_ENTRIES:
-        chunk *= 2
+    chunk = _sort_chunk(n, num_slots)
     chunks = -(-n // chunk)
     slot = slot_TK.contiguous()
     hist = torch.zeros(num_slots * chunks, dtype=torch.int64, device=device)
@@ -221,6 +218,16 @@ def sort_by_slot(slot_TK: torch.Tensor,
     _launch(device, "slot_chunk_scatter", grid,
             (slot, n, num_slots, chunk, chunks, cursor, order, pos))
     return order, pos, counts
+
+
+def _sort_chunk(n: int, num_slots: int) -> int:
+    """Pairs per chunk of the counting sort: the smallest power-of-two multiple of
+    _MIN_SORT_CHUNK that keeps the [S, C] table within _MAX_HIST_ENTRIES, or one chunk of all
+    ``n`` pairs when nothing does (S > 2**22: the table is then [S, 1], the counts themselves)."""
+    chunk = _MIN_SORT_CHUNK
+    while chunk < n and num_slots * -(-n // chunk) > _MAX_HIST_ENTRIES:
+        chunk *= 2
+    return chunk
 
 
 def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor | None = None,
