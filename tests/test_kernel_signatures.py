@@ -20,7 +20,7 @@ SOURCES = sorted((ROOT / "csrc").glob("*.cu"))
 
 # Calls whose result is a tensor (a pointer argument) or an int (a scalar one).
 _TENSOR_METHODS = {"contiguous", "to", "view", "reshape", "detach", "sum", "clone", "zero_"}
-_INT_CALLS = {"numel", "len", "int", "max", "min", "element_size", "_grid"}
+_INT_CALLS = {"numel", "len", "int", "max", "min", "element_size"}
 
 
 def _all_signatures(sources: dict[str, str]) -> dict[str, tuple[Param, ...]]:
@@ -56,7 +56,7 @@ def _kind(node: ast.expr, env: dict[str, str]) -> str:
     if isinstance(node, ast.Call):
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        if name in _INT_CALLS:
+        if name in _INT_CALLS or env.get(f"{name}()") == "i64":
             return "i64"
         if name == "next" and isinstance(node.args[0], ast.GeneratorExp) and all(
                 isinstance(e, ast.Constant) and type(e.value) is int
@@ -134,6 +134,9 @@ def launch_problems(launcher_source: str, cuda_sources: dict[str, str]) -> list[
     tree = ast.parse(launcher_source)
     module_env: dict[str, str] = {}     # module constants (_BLOCK, _MIN_SORT_CHUNK, ...)
     for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.returns is not None \
+                and ast.unparse(node.returns) == "int":
+            module_env[f"{node.name}()"] = "i64"        # a call of it is an int (_grid, ...)
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 _bind(target, node.value, module_env)
