@@ -75,17 +75,14 @@ CSRC_PACKAGE = "moebalance._csrc"
 
 
 def use_repository(root: Path = ROOT, csrc_package: str = CSRC_PACKAGE) -> None:
-    """Import ``moebalance`` from ``root`` and, when no install maps it, its CUDA sources from
-    ``root/csrc`` as ``csrc_package`` (what ``[tool.setuptools.package-dir]`` does on install)."""
+    """Import ``moebalance`` from ``root`` and its CUDA sources from ``root/csrc`` as
+    ``csrc_package`` (what ``[tool.setuptools.package-dir]`` maps on install): the checks test
+    this checkout, whether or not it (or another one) is installed."""
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    try:
-        found = importlib.util.find_spec(csrc_package) is not None
-    except ModuleNotFoundError:
-        found = False
-    if found:
-        return
     init = root / "csrc" / "__init__.py"
+    if not init.exists():
+        return            # not run from a checkout: the installed package brings its sources
     spec = importlib.util.spec_from_file_location(
         csrc_package, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)

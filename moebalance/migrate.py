@@ -16,16 +16,20 @@ it starts serving, although training goes on while it travels. Rows are read (pa
 buffers) at a step boundary, right after an optimizer step, and a layer commits *before its next
 forward*: between the two nothing changes the expert's weights or optimizer state, so the
 staged copy is the expert. The transfers overlap with everything that runs in between (the
-loader, the layers before it in the forward). A layer whose staged rows meet an optimizer step
+loader, the layers before it in the forward). On a GPU the packing and staging run on a side
+stream whose indices arrive through pinned memory without a host wait, and a commit orders its
+writes after the side stream with an event, also when every move of the layer stays on its rank. A layer whose staged rows meet an optimizer step
 before they commit (the layer did not run a forward in that step) is stale: the optimizer's step
 post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
 as Lightning runs it, commits before the update, which is as exact.) Keeping a staged copy current by
 replaying the optimizer update on it would avoid that resend, but only by re-implementing every
 optimizer; a resend is one more transfer of the same bytes.
 
-Commit of a layer: every rank waits for its own transfers of the layer (with a timeout), then the
-ranks agree with one small collective; only if every rank's transfers landed do all ranks copy
-the staged rows into place (weights and optimizer state together) and call the layer's commit
+Commit of a layer: the first commit after a boundary waits for every transfer started so far
+(each rank its own, with a timeout; the ranks start the same layers) and the ranks agree with
+one small collective for all of them (with NCCL a host sync, so once per boundary rather than
+once per layer); only if every rank's transfers landed do all ranks copy the staged rows into
+place (weights and optimizer state together) and call the layer's commit
 callbacks (the caller swaps placement, routing and gradient-sync tables there). If any rank
 failed (an exception in its transfer, a peer that never sent), no row of the layer is written
 on any rank, every rank abandons the rest of the migration with the same

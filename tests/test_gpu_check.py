@@ -141,3 +141,26 @@ def test_misaligned_copies_are_contiguous_and_off_16_bytes(gpu_check):
 def test_bad_device_is_a_usage_error(gpu_check):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--device", "tpu"])
+
+
+@pytest.mark.timeout(600)
+def test_runs_from_the_repository_without_an_install(tmp_path):
+    # python -S with only the dependencies on PYTHONPATH: no .pth file runs, so no install of
+    # moebalance (editable or not) is visible; the script must import it from the repository.
+    import numpy
+    import numba
+
+    paths = dict.fromkeys(str(Path(m.__file__).parents[1]) for m in (torch, numpy, numba))
+    env = {"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-S", "-c", "import moebalance"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        pytest.skip("moebalance is importable from the dependencies' directories")
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, "-S", str(SCRIPT), "--device", "cpu", "--only", "inputs",
+                          "--out", str(out)], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=500)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"moebalance from {ROOT / 'moebalance'}" in run.stdout
+    assert f"CUDA sources from {ROOT / 'csrc'}" in run.stdout
+    assert json.loads(out.read_text())["status"] == "passed"
