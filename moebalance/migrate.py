@@ -18,9 +18,9 @@ forward*: between the two nothing changes the expert's weights or optimizer stat
 staged copy is the expert. The transfers overlap with everything that runs in between (the
 loader, the layers before it in the forward). On a GPU the packing and staging run on a side
 stream whose indices arrive through pinned memory without a host wait, and a commit orders its
-writes after the side stream with an event, also when every move of the layer stays on its rank. A layer whose staged rows meet an optimizer step
-before they commit (the layer did not run a forward in that step) is stale: the optimizer's step
-post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
+writes after the side stream with an event, also when every move of the layer stays on its
+rank. A layer whose staged rows meet an optimizer step before they commit (the layer did not
+run a forward in that step) is stale: the optimizer's step post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
 as Lightning runs it, commits before the update, which is as exact.) Keeping a staged copy current by
 replaying the optimizer update on it would avoid that resend, but only by re-implementing every
 optimizer; a resend is one more transfer of the same bytes.
@@ -534,7 +534,7 @@ class Migration:
                 + (layer % _TAG_LAYERS) * _TAG_KINDS)
         # Every index this rank uses for the layer, in one host array and one copy: per peer the
         # slots it sends from, the slots it stages into, and (a copy inside this rank) its sources.
-        moves = []                # (peer, out rows, inc rows)
+        moves = []                # (peer, rows out, rows in, spans of their indices in `host`)
         pieces, offset = [], 0
         for peer in range(mig.world_size):
             out = rows[(src == rank) & (dst == peer)] if peer != rank else rows[:0]
@@ -606,9 +606,9 @@ class Migration:
             return False
         if transfer.landed is None:
             self._settle()
-        failures = transfer.landed is False
+        landed = transfer.landed
         del self._transfers[layer]
-        if failures:
+        if not landed:
             self._fail(layer, self._failures)
             return False
         with torch.no_grad():
