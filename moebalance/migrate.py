@@ -20,9 +20,9 @@ loader, the layers before it in the forward). On a GPU the packing and staging r
 stream whose indices arrive through pinned memory without a host wait, and a commit orders its
 writes after the side stream with an event, also when every move of the layer stays on its
 rank. A layer whose staged rows meet an optimizer step before they commit (the layer did not
-run a forward in that step) is stale: the optimizer's step post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
-as Lightning runs it, commits before the update, which is as exact.) Keeping a staged copy current by
-replaying the optimizer update on it would avoid that resend, but only by re-implementing every
+run a forward in that step) is stale: the optimizer's step post-hook drops it and sends it
+again right away. (A forward inside ``optimizer.step(closure)``, as Lightning runs it, commits
+before the update, which is as exact.) Keeping a staged copy current by replaying the optimizer update on it would avoid that resend, but only by re-implementing every
 optimizer; a resend is one more transfer of the same bytes.
 
 Commit of a layer: the first commit after a boundary waits for every transfer started so far
