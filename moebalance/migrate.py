@@ -22,8 +22,9 @@ writes after the side stream with an event, also when every move of the layer st
 rank. A layer whose staged rows meet an optimizer step before they commit (the layer did not
 run a forward in that step) is stale: the optimizer's step post-hook drops it and sends it
 again right away. (A forward inside ``optimizer.step(closure)``, as Lightning runs it, commits
-before the update, which is as exact.) Keeping a staged copy current by replaying the optimizer update on it would avoid that resend, but only by re-implementing every
-optimizer; a resend is one more transfer of the same bytes.
+before the update, which is as exact.) Keeping a staged copy current by replaying the
+optimizer update on it would avoid that resend, but only by re-implementing every optimizer; a
+resend is one more transfer of the same bytes.
 
 Commit of a layer: the first commit after a boundary waits for every transfer started so far
 (each rank its own, with a timeout; the ranks start the same layers) and the ranks agree with
