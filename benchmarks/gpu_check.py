@@ -32,7 +32,8 @@ process with its own timeout (a crash or an illegal address loses that check onl
    migration (``apply_placement(blocking=False)``, then the step that commits it) under
    ``set_sync_debug_mode("warn")``; every sync is counted with its source line and compared
    with the documented ones: one per dispatch (the split sizes, ``dispatch/dispatcher.py``),
-   none in the migration's staging and commit. The migration must keep the layer's function
+   none in the migration's staging and commit at world size 1 (with NCCL each committed layer's
+   agreement among the ranks adds one). The migration must keep the layer's function
    and move the optimizer state with the rows (also checked on the CPU).
 7. ``bandwidth``: GB/s of the CUDA gather_rows (permute) and combine kernels against the device's
    copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16, timed with CUDA events

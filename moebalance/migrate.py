@@ -26,11 +26,9 @@ before the update, which is as exact.) Keeping a staged copy current by replayin
 optimizer update on it would avoid that resend, but only by re-implementing every optimizer; a
 resend is one more transfer of the same bytes.
 
-Commit of a layer: the first commit after a boundary waits for every transfer started so far
-(each rank its own, with a timeout; the ranks start the same layers) and the ranks agree with
-one small collective for all of them (with NCCL a host sync, so once per boundary rather than
-once per layer); only if every rank's transfers landed do all ranks copy the staged rows into
-place (weights and optimizer state together) and call the layer's commit
+Commit of a layer: every rank waits for its own transfers of the layer (with a timeout), then the
+ranks agree with one small collective (with NCCL a host sync, once per committed layer); only if
+every rank's transfers landed do all ranks copy the staged rows into place (weights and optimizer state together) and call the layer's commit
 callbacks (the caller swaps placement, routing and gradient-sync tables there). If any rank
 failed (an exception in its transfer, a peer that never sent), no row of the layer is written
 on any rank, every rank abandons the rest of the migration with the same
@@ -305,8 +303,6 @@ class _LayerTransfer:
     bytes_sent: int
     # CUDA: recorded on the side stream after the staging; the commit's stream waits for it.
     ready: torch.cuda.Event | None = None
-    # Whether every rank's transfers of this layer landed, once the ranks agreed (None: not yet).
-    landed: bool | None = None
 
 
 class Migrator:
@@ -454,7 +450,6 @@ class Migration:
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
         self._hooks = []
-        self._failures: list[tuple[int, str]] = []
         self._gloo = migrator.world_size == 1 or dist.get_backend(migrator.group) == "gloo"
         if optimizer is not None:
             self._hooks = [optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -605,12 +600,11 @@ class Migration:
         transfer = self._transfers.get(layer)
         if transfer is None or self.error is not None:
             return False
-        if transfer.landed is None:
-            self._settle()
-        landed = transfer.landed
+        ok, message = self._wait(transfer)
+        failures = self._agree(ok, message)
         del self._transfers[layer]
-        if not landed:
-            self._fail(layer, self._failures)
+        if failures:
+            self._fail(layer, failures)
             return False
         with torch.no_grad():
             if transfer.ready is not None and transfer.staged:
@@ -632,23 +626,6 @@ class Migration:
         if self.done:
             self._finish()
         return True
-
-    def _settle(self) -> None:
-        """Wait for every started transfer and agree, once for all of them, whether they landed.
-
-        The ranks start the same layers (from the plan), so the set is the same on every rank;
-        one agreement per boundary instead of one per committed layer (each one a host sync with
-        NCCL).
-        """
-        layers = sorted(self._transfers)
-        messages = []
-        for layer in layers:
-            ok, message = self._wait(self._transfers[layer])
-            if not ok:
-                messages.append(f"layer {layer}: {message}" if len(layers) > 1 else message)
-        self._failures = self._agree(not messages, "; ".join(messages))
-        for layer in layers:
-            self._transfers[layer].landed = not self._failures
 
     def _wait(self, transfer: _LayerTransfer) -> tuple[bool, str]:
         timeout = timedelta(seconds=self.migrator.timeout_s)
