@@ -7,8 +7,10 @@
 // the same rounding as torch's .to(bfloat16/float16).
 //
 // Every kernel reproduces moebalance/dispatch/reference.py. Arithmetic runs in float for
-// float/bfloat16/half data and in double for double data; compile with --fmad=false so that
-// w * y + acc rounds twice, as the reference does.
+// float/bfloat16/half data and in double for double data, through mul_rn / add_rn: each product
+// and sum rounds on its own (w * y + acc rounds twice, as the reference does, never fused into an
+// fma) and float subnormals are kept, whatever -ftz / --fmad options the compiler gets (CuPy
+// appends -ftz=true after the caller's options and NVRTC takes the last one).
 //
 // Legend: T tokens, K top-k, D hidden size, E experts, X most replicas, S slots, N = T*K pairs,
 // M rows of a gathered source, C chunks of the counting sort (one warp each).
@@ -49,6 +51,21 @@ template <> __device__ __forceinline__ f16_t from_compute<f16_t>(float v) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
     return out;
 }
+
+// Explicitly rounded float ops in inline PTX: the compiler neither adds .ftz to them nor
+// contracts them into an fma (the double intrinsics are not affected by -ftz and never fused).
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 template <typename T> struct Compute { typedef float type; };
 template <> struct Compute<double> { typedef double type; };
@@ -195,7 +212,7 @@ __device__ __forceinline__ void gather_scaled(const T* __restrict__ x, const i64
             const P in = s[w];
             P res;
 #pragma unroll
-            for (int v = 0; v < V; ++v) res.v[v] = store<T>(to_compute(in.v[v]) * a);
+            for (int v = 0; v < V; ++v) res.v[v] = store<T>(mul_rn(to_compute(in.v[v]), a));
             d[w] = res;
         }
     }
@@ -222,10 +239,10 @@ __device__ __forceinline__ void combine_rows(const T* __restrict__ y, const i64*
                 if (w != nullptr) {
                     const C wk = w[t * top_k + k];
 #pragma unroll
-                    for (int v = 0; v < V; ++v) acc[v] = acc[v] + wk * to_compute(in.v[v]);
+                    for (int v = 0; v < V; ++v) acc[v] = add_rn(acc[v], mul_rn(wk, to_compute(in.v[v])));
                 } else {
 #pragma unroll
-                    for (int v = 0; v < V; ++v) acc[v] = acc[v] + to_compute(in.v[v]);
+                    for (int v = 0; v < V; ++v) acc[v] = add_rn(acc[v], to_compute(in.v[v]));
                 }
             }
             P res;
@@ -251,9 +268,9 @@ __device__ __forceinline__ void weight_grad(const T* __restrict__ grad, const T*
         const T* g = grad + (p / top_k) * dim;
         const T* row = y + r * dim;
         C acc = C(0);
-        for (i64 d = lane; d < dim; d += 32) acc += to_compute(g[d]) * to_compute(row[d]);
+        for (i64 d = lane; d < dim; d += 32) acc = add_rn(acc, mul_rn(to_compute(g[d]), to_compute(row[d])));
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        for (int off = 16; off > 0; off >>= 1) acc = add_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
         if (lane == 0) out[p] = acc;
     }
 }

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collective_errors import Attempt, agree, take_backward_failure
+from .device_index import DeviceIndex
 from .migrate import Migrator, plan_migration, row_bytes
 from .placement import Placement
 from .replica_sync import GradientSync, HolderExchange
@@ -113,6 +114,7 @@ class ExpertSlots(nn.Module):
                              f"this layer stores {num_slots}; placements must keep the topology's slots")
         experts = placement.phy2log[layer, local.start:local.stop].copy()
         experts.setflags(write=False)
+        self.__dict__["_first_holders"] = None        # DeviceIndex of first_holder_rows, lazily
         self.__dict__["_placement"] = placement
         self.__dict__["_layer"] = int(layer)
         self.__dict__["_local_experts"] = experts
@@ -229,7 +231,7 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            rows = exchange.rep_slots.to(p.device)
+            rows = exchange.rep_slots_on(p.device)
             if scale != 1.0:
                 p.grad.mul_(scale)
             p.grad.index_copy_(0, rows, (total * scale).to(p.grad.dtype))
@@ -383,16 +385,17 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     rank = layers[0].dispatcher.rank if layers else 0
     slot_rows = {}
     for layer in layers:
-        rows = first_holder_rows(layer)
+        if layer._first_holders is None:      # once per placement: no per-step host copy
+            layer.__dict__["_first_holders"] = DeviceIndex(first_holder_rows(layer))
         for p in layer.slot_parameters():
-            slot_rows[id(p)] = rows
+            slot_rows[id(p)] = layer._first_holders
     grads, parts = [], []
     for p in module.parameters():
         if p.grad is None:
             continue
         grads.append(p.grad)
         if id(p) in slot_rows:
-            g = p.grad.index_select(0, slot_rows[id(p)].to(p.grad.device))
+            g = p.grad.index_select(0, slot_rows[id(p)].on(p.grad.device))
         elif rank == 0:
             g = p.grad
         else:

@@ -16,17 +16,21 @@ it starts serving, although training goes on while it travels. Rows are read (pa
 buffers) at a step boundary, right after an optimizer step, and a layer commits *before its next
 forward*: between the two nothing changes the expert's weights or optimizer state, so the
 staged copy is the expert. The transfers overlap with everything that runs in between (the
-loader, the layers before it in the forward). A layer whose staged rows meet an optimizer step
-before they commit (the layer did not run a forward in that step) is stale: the optimizer's step
-post-hook drops it and sends it again right away. (A forward inside ``optimizer.step(closure)``,
-as Lightning runs it, commits before the update, which is as exact.) Keeping a staged copy current by
-replaying the optimizer update on it would avoid that resend, but only by re-implementing every
-optimizer; a resend is one more transfer of the same bytes.
+loader, the layers before it in the forward). On a GPU the packing and staging run on a side
+stream whose indices arrive through pinned memory without a host wait, and a commit orders its
+writes after the side stream with an event, also when every move of the layer stays on its
+rank. A layer whose staged rows meet an optimizer step before they commit (the layer did not
+run a forward in that step) is stale: the optimizer's step post-hook drops it and sends it
+again right away. (A forward inside ``optimizer.step(closure)``, as Lightning runs it, commits
+before the update, which is as exact.) Keeping a staged copy current by replaying the
+optimizer update on it would avoid that resend, but only by re-implementing every optimizer; a
+resend is one more transfer of the same bytes.
 
 Commit of a layer: every rank waits for its own transfers of the layer (with a timeout) and checks
 that every staged row fits the row it replaces (shape, dtype, device, slot index), then the
-ranks agree with one small collective; only if every rank's transfers landed do all ranks copy
-the staged rows into place (weights and optimizer state together) and call the layer's commit
+ranks agree with one small collective (with NCCL a host sync, once per committed layer); only if
+every rank's transfers landed do all ranks copy the staged rows into place (weights and
+optimizer state together) and call the layer's commit
 callbacks (the caller swaps placement, routing and gradient-sync tables there). If any rank
 failed (an exception in its transfer, a peer that never sent), no row of the layer is written
 on any rank, every rank abandons the rest of the migration with the same
@@ -55,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_errors import GroupError
+from .device_index import to_device_async
 from .placement import Placement
 from .topology import Topology
 
@@ -299,6 +304,8 @@ class _LayerTransfer:
     staged: list          # [(destination tensor, local rows [n] int64, staged rows [n, ...])]
     started_step: int
     bytes_sent: int
+    # CUDA: recorded on the side stream after the staging; the commit's stream waits for it.
+    ready: torch.cuda.Event | None = None
 
 
 class Migrator:
@@ -524,31 +531,49 @@ class Migration:
         sent = 0
         tag0 = (_TAG_BASE + (self._number % 1024) * _TAG_LAYERS * _TAG_KINDS
                 + (layer % _TAG_LAYERS) * _TAG_KINDS)
+        # Every index this rank uses for the layer, in one host array and one copy: per peer the
+        # slots it sends from, the slots it stages into, and (a copy inside this rank) its sources.
+        moves = []                # (peer, rows out, rows in, spans of their indices in `host`)
+        pieces, offset = [], 0
+        for peer in range(mig.world_size):
+            out = rows[(src == rank) & (dst == peer)] if peer != rank else rows[:0]
+            inc = rows[(dst == rank) & (src == peer)]
+            spans = []
+            for part in (plan.src_slot_M[out], plan.dst_slot_M[inc],
+                         plan.src_slot_M[inc] if peer == rank else plan.src_slot_M[:0]):
+                pieces.append(part)
+                spans.append((offset, offset + part.size))
+                offset += part.size
+            moves.append((peer, out.size, inc.size, spans))
+        host = torch.from_numpy(np.concatenate(pieces).astype(np.int64, copy=False))
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        ready = None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.no_grad(), (torch.cuda.stream(side) if side is not None else nullcontext()):
+            # Pinned and non-blocking: the host never waits for the compute stream here.
+            index = to_device_async(host, device)
             for k, tensor in enumerate(kinds):
-                for peer in range(mig.world_size):
-                    out = rows[(src == rank) & (dst == peer)]
-                    inc = rows[(dst == rank) & (src == peer)]
-                    if out.size and peer != rank:
-                        index = torch.from_numpy(plan.src_slot_M[out]).to(device)
-                        buf = tensor.index_select(0, index)
+                for peer, num_out, num_inc, spans in moves:
+                    (o0, o1), (l0, l1), (c0, c1) = spans
+                    if num_out:
+                        buf = tensor.index_select(0, index[o0:o1])
                         ops.append((True, peer, buf, tag0 + k))
                         sent += buf.numel() * buf.element_size()
-                    if inc.size:
-                        local = torch.from_numpy(plan.dst_slot_M[inc]).to(device)
+                    if num_inc:
+                        local = index[l0:l1]
                         if peer == rank:   # a copy inside this rank: staged now, no message
-                            rows_in = tensor.index_select(
-                                0, torch.from_numpy(plan.src_slot_M[inc]).to(device))
+                            rows_in = tensor.index_select(0, index[c0:c1])
                         else:
-                            rows_in = tensor.new_empty((inc.size, *tensor.shape[1:]))
+                            rows_in = tensor.new_empty((num_inc, *tensor.shape[1:]))
                             ops.append((False, peer, rows_in, tag0 + k))
                         staged.append((tensor, local, rows_in))
             works = self._issue(ops)
+            if side is not None:
+                ready = torch.cuda.Event()
+                ready.record(side)
         self.bytes_sent += sent
-        return _LayerTransfer(works, staged, self._optimizer_steps, sent)
+        return _LayerTransfer(works, staged, self._optimizer_steps, sent, ready)
 
     def _issue(self, ops: list[tuple]) -> list:
         """Post ``ops`` ((is_send, peer, tensor, tag)) and return their works (the fault seam)."""
@@ -592,7 +617,15 @@ class Migration:
             self._fail(layer, failures)
             return False
         with torch.no_grad():
+            if transfer.ready is not None and transfer.staged:
+                # The staged rows and their index were made on the side stream: order the writes
+                # after it on the stream that commits (also when every move stays on this rank
+                # and no transfer work orders it), and keep their memory alive for that stream.
+                stream = torch.cuda.current_stream(transfer.staged[0][0].device)
+                stream.wait_event(transfer.ready)
             for tensor, local, rows_in in transfer.staged:
+                if local.is_cuda:
+                    local.record_stream(torch.cuda.current_stream(local.device))
                 tensor.index_copy_(0, local, rows_in)
                 # A slot that changes expert starts without the old expert's gradient.
                 if getattr(tensor, "grad", None) is not None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from .collective_errors import backward_attempt, close_backward
+from .device_index import DeviceIndex
 
 __all__ = ["HolderExchange", "GradientSync"]
 
@@ -74,6 +75,7 @@ class HolderExchange:
         self.tag = int(tag)
         self.num_held = int(rep_slots.size)
         self.rep_slots = torch.from_numpy(rep_slots)
+        self._rep_slots = DeviceIndex(self.rep_slots)     # device copies, made once per device
         pairs: dict[int, list] = {}      # peer -> [(expert, i)], i indexes rep_slots
         splits: dict[int, list] = {}     # peer -> [(expert, i, my position, its position, h)]
         self.split = []                  # (i, my position, h) of each expert with h >= 3
@@ -92,6 +94,11 @@ class HolderExchange:
         self.pairs = [(peer, torch.tensor([i for _, i in sorted(pairs[peer])], dtype=torch.int64))
                       for peer in sorted(pairs)]
         self.splits = [(peer, [entry[1:] for entry in sorted(splits[peer])]) for peer in sorted(splits)]
+        self._pair_rows = [DeviceIndex(rows) for _, rows in self.pairs]
+
+    def rep_slots_on(self, device: torch.device) -> torch.Tensor:
+        """``rep_slots`` [n] on ``device`` (copied once per device: no per-step host sync)."""
+        return self._rep_slots.on(device)
 
     def elements_sent(self, row_numel: int) -> int:
         """Elements this rank sends per exchange of one tensor whose rows have ``row_numel``."""
@@ -113,13 +120,13 @@ class HolderExchange:
         gradient increment); ``kind`` numbers the tensor within the layer."""
         device = increment.device
         # The row length is explicit: with no replicated row (n = 0) -1 could not be inferred.
-        mine_nR = increment.index_select(0, self.rep_slots.to(device)).reshape(
+        mine_nR = increment.index_select(0, self.rep_slots_on(device)).reshape(
             self.num_held, increment[0].numel())
         R = mine_nR.shape[1]
         ops, pair_in, split_in = [], [], []
         tag = self._tag(kind, 0)
-        for peer, rows in self.pairs:
-            rows = rows.to(device)
+        for (peer, _), rows_on in zip(self.pairs, self._pair_rows):
+            rows = rows_on.on(device)
             out = mine_nR.index_select(0, rows)
             inc = torch.empty_like(out)
             ops += _send_recv(out, inc, group, peer, tag)
@@ -289,7 +296,7 @@ class GradientSync:
                 failures.fail(exc)
                 # Zeros take this rank's part, so its peers' messages still find their match.
                 posted = exchange.post(torch.zeros_like(param), kind, self.group)
-            rows = exchange.rep_slots.to(grad.device)
+            rows = exchange.rep_slots_on(grad.device)
 
             def add_sum():
                 total = exchange.finish(posted)

@@ -358,8 +358,10 @@ class LoadTracker:
                                                                     nonfinite_G])
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
+            # The copy runs on the loads' device's current stream, which need not be the
+            # current device's: the event goes on that stream.
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(flat.device))
             L, E1 = self.num_layers, self.num_experts + 1
             loads_LE1 = host[:L * E1].view(L, E1)
             nonfinite_G = None if nonfinite_G is None else host[L * E1:]

@@ -52,6 +52,21 @@ def test_resplit_source_compiles_to_ptx_for_sm90(tmp_path):
     assert f"#define MAX_REPLICAS {resplit_cuda.MAX_REPLICAS}" in source
 
 
+@nvcc
+@pytest.mark.parametrize("ftz, fmad", [("true", "true"), ("false", "false")])
+def test_float_math_ignores_ftz_and_fmad_options(ftz, fmad, tmp_path):
+    # CuPy appends -ftz=true after our options and NVRTC takes the last one: the source must give
+    # the reference's results under any -ftz/--fmad (no flushed subnormals, no fused w * y + acc).
+    ptx = tmp_path / "dispatch.ptx"
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", *cuda.COMPILE_OPTIONS, f"-ftz={ftz}",
+                          f"--fmad={fmad}", "-o", str(ptx), str(ROOT / "csrc" / cuda.SOURCE_FILE)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = ptx.read_text()
+    assert ".ftz" not in text and "fma." not in text
+    assert "mul.rn.f32" in text and "add.rn.f32" in text
+
+
 def _nvrtc_compiler():
     """CuPy's NVRTC wrapper when the NVRTC library loads (no GPU needed), else skip."""
     compiler = pytest.importorskip("cupy.cuda.compiler")

@@ -14,7 +14,8 @@ Sections (``--sections``, default all that can run here):
    A third Dispatcher re-splits every step (``resplit=True``, the default; the others are
    built with ``resplit=False``), to show what that costs.
 3. ``gpu``: only with CuPy and a CUDA GPU: GB/s of the CUDA ``gather_rows`` and ``combine`` kernels
-   against torch's device copy bandwidth.
+   against torch's device copy bandwidth, timed with CUDA events around 20 back-to-back launches
+   (not host timers around one launch, which would add the host's launch cost to each kernel).
 4. ``shares``: shares realised on 4 gloo ranks with uneven traffic (tokens per rank
    [12000, 6000, 0, 14000], one expert preference) and with per-rank preferences (equal batches,
    each rank favouring another expert): the largest ``|rows received - share x global pairs|``
@@ -276,13 +277,40 @@ def run_dist(num_ranks: int, tokens: int, hidden: int, top_k: int, repeats: int,
 # -- section 3: GPU kernels -------------------------------------------------------------------
 
 
+def cuda_event_times(methods: dict[str, Callable[[], object]], repeats: int,
+                     launches: int = 20) -> dict[str, float]:
+    """Median seconds per call of each method on the current CUDA stream, from CUDA events.
+
+    Each repeat times ``launches`` back-to-back calls of one method between two events (methods
+    interleaved per repeat), so the figure is the device time per launch: the host's launch cost
+    (Python, argument packing) overlaps the kernels in flight instead of being added to each one,
+    as host timers around one synchronised launch would do.
+    """
+    import torch
+
+    for fn in methods.values():      # warm-up: compilation, allocator, caches
+        fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(launches):
+                fn()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / 1e3 / launches)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def run_gpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed: int) -> list[Row]:
-    """CUDA gather_rows / combine GB/s against a device clone of the same bytes (fp32, bf16)."""
+    """CUDA gather_rows / combine GB/s against a device copy of the same bytes (fp32, bf16),
+    timed with CUDA events over repeated launches (:func:`cuda_event_times`)."""
     import torch
 
     from ..dispatch import cuda
 
-    sync = torch.cuda.synchronize
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T, D, K, S = tokens, hidden, top_k, slots
     N = T * K
@@ -295,12 +323,12 @@ def run_gpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed
         index = order // K
         y = cuda.gather_rows(x, index)
         y_out, x_out = torch.empty_like(y), torch.empty_like(x)
-        timed = interleaved({
+        timed = cuda_event_times({
             "sort_by_slot": lambda: cuda.sort_by_slot(slot_TK, S),
             "gather_rows": lambda: cuda.gather_rows(x, index, out=y_out),
             "combine": lambda: cuda.combine(y, pos, w, out=x_out),
             "copy_": lambda: y_out.copy_(y),
-        }, repeats, sync=sync)
+        }, repeats)
         size = x.element_size()
         moved = {"sort_by_slot": 5 * N * 8, "gather_rows": 2 * N * D * size,
                  "combine": (N + T) * D * size, "copy_": 2 * N * D * size}

@@ -2,8 +2,9 @@
 
 The source ships inside the package (``moebalance._csrc``) and is compiled with NVRTC by
 ``cupy.RawModule`` once per device; CuPy adds the ``-arch`` of the current GPU. Kernels run on
-torch's current CUDA stream (``cupy.cuda.ExternalStream``), tensors cross zero-copy through DLPack
-(``cupy.from_dlpack``) and every output is allocated by torch's caching allocator.
+torch's current CUDA stream (``cupy.cuda.ExternalStream``), tensors cross as raw device pointers
+(checked against the kernels' parameter lists read from the source) and every output is
+allocated by torch's caching allocator.
 
 Same functions and results as :mod:`.reference`. Shapes and dtypes are checked on the host; index
 *values* are not (that would sync the stream on every call): out-of-range expert ids route to
@@ -27,10 +28,11 @@ import torch
 
 from ..backends import has_cupy_gpu
 from . import checks
+from .kernel_signatures import Param, kernel_signatures
 from .reference import compute_dtype
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad", "source",
-           "KERNEL_NAMES"]
+           "signatures", "KERNEL_NAMES"]
 
 SOURCE_PACKAGE = "moebalance._csrc"
 SOURCE_FILE = "dispatch.cu"
@@ -44,7 +46,6 @@ KERNEL_NAMES = (
       for kind in ("gather_rows_scaled", "combine") for vec in ("", "_vec")),
     *(f"combine_weight_grad_{suffix}" for suffix in _SUFFIX.values()),
 )
-_RAW16 = (torch.bfloat16, torch.float16)
 _BLOCK = 256
 _WARPS_PER_BLOCK = _BLOCK // 32
 # Bound on the [S, C] per-chunk histogram of the counting sort (int64 entries).
@@ -52,12 +53,20 @@ _MAX_HIST_ENTRIES = 1 << 22
 _MIN_SORT_CHUNK = 256
 
 _modules: dict[int, object] = {}
+_kernels: dict[tuple[int, str], object] = {}
+_streams: dict[tuple[int, int], object] = {}
 _lock = threading.Lock()
 
 
 def source() -> str:
     """The CUDA C++ source of the dispatch kernels, as shipped with the package."""
     return importlib.resources.files(SOURCE_PACKAGE).joinpath(SOURCE_FILE).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def signatures() -> dict[str, tuple[Param, ...]]:
+    """``{kernel: its parameters}`` read from :func:`source` (each launch is checked against it)."""
+    return kernel_signatures(source())
 
 
 def _require_gpu() -> None:
@@ -97,27 +106,51 @@ def _module(device_index: int):
         return mod
 
 
+def _kernel(device_index: int, name: str):
+    """The kernel ``name`` of one device's module (looked up once)."""
+    kernel = _kernels.get((device_index, name))
+    if kernel is None:
+        kernel = _kernels[device_index, name] = _module(device_index).get_function(name)
+    return kernel
+
+
+def _stream(device_index: int, handle: int):
+    """CuPy's view of torch's stream ``handle`` (one object per stream)."""
+    import cupy
+
+    stream = _streams.get((device_index, handle))
+    if stream is None:
+        stream = _streams[device_index, handle] = cupy.cuda.ExternalStream(handle, device_index)
+    return stream
+
+
 def _launch(device: torch.device, name: str, grid: int, args: tuple) -> None:
     """Launch kernel ``name`` with ``grid`` blocks of _BLOCK threads on torch's current stream.
 
-    Tensors go through DLPack inside the stream context, so torch sees no cross-stream use;
-    they are detached first (DLPack refuses tensors that require grad, and kernels run inside
-    autograd functions), and 16-bit floats travel as int16 views since the kernels read them as
-    raw bits. None stands for a null pointer, Python ints for int64 arguments.
+    Tensors travel as raw device pointers (``data_ptr()``: no DLPack, no CuPy array), None as a
+    null pointer and Python ints as int64. Neither CuPy nor the driver checks a launch's
+    arguments, so each launch is checked here against the kernel's parameters as read from the
+    source: a missing argument would make the kernel read past its argument vector. The tensors
+    are used on the stream the caching allocator knows them on, so no record_stream is needed.
     """
+    params = signatures()[name]
+    assert len(args) == len(params), (
+        f"{name} takes {len(params)} arguments ({', '.join(p.name for p in params)}), "
+        f"launched with {len(args)}")
+    packed = []
+    for a, param in zip(args, params):
+        if isinstance(a, torch.Tensor) or a is None:
+            assert param.kind == "ptr", f"{name}: {param.name} is a {param.kind}, got a pointer"
+            packed.append(np.uint64(0 if a is None else a.data_ptr()))
+        else:
+            assert param.kind == "i64", f"{name}: {param.name} is a {param.kind}, got an int"
+            packed.append(np.int64(a))
     import cupy
 
-    def pack(a):
-        if isinstance(a, torch.Tensor):
-            a = a.detach()
-            return cupy.from_dlpack(a.view(torch.int16) if a.dtype in _RAW16 else a)
-        return np.uint64(0) if a is None else np.int64(a)
-
     index = _index(device)
-    kernel = _module(index).get_function(name)
-    stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-        kernel((max(1, grid),), (_BLOCK,), tuple(pack(a) for a in args))
+    kernel = _kernel(index, name)
+    with cupy.cuda.Device(index), _stream(index, torch.cuda.current_stream(index).cuda_stream):
+        kernel((max(1, grid),), (_BLOCK,), tuple(packed))
 
 
 def _index(device: torch.device) -> int:
@@ -174,9 +207,7 @@ def sort_by_slot(slot_TK: torch.Tensor,
     pos = torch.empty(slot_TK.shape, dtype=torch.int64, device=device)
     if n == 0:
         return order, pos, torch.zeros(num_slots, dtype=torch.int64, device=device)
-    chunk = _MIN_SORT_CHUNK
-    while num_slots * -(-n // chunk) > _MAX_HIST_ENTRIES:
-        chunk *= 2
+    chunk = _sort_chunk(n, num_slots)
     chunks = -(-n // chunk)
     slot = slot_TK.contiguous()
     hist = torch.zeros(num_slots * chunks, dtype=torch.int64, device=device)
@@ -187,6 +218,16 @@ def sort_by_slot(slot_TK: torch.Tensor,
     _launch(device, "slot_chunk_scatter", grid,
             (slot, n, num_slots, chunk, chunks, cursor, order, pos))
     return order, pos, counts
+
+
+def _sort_chunk(n: int, num_slots: int) -> int:
+    """Pairs per chunk of the counting sort: the smallest power-of-two multiple of
+    _MIN_SORT_CHUNK that keeps the [S, C] table within _MAX_HIST_ENTRIES, or one chunk of all
+    ``n`` pairs when nothing does (S > 2**22: the table is then [S, 1], the counts themselves)."""
+    chunk = _MIN_SORT_CHUNK
+    while chunk < n and num_slots * -(-n // chunk) > _MAX_HIST_ENTRIES:
+        chunk *= 2
+    return chunk
 
 
 def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor | None = None,
@@ -267,6 +308,6 @@ def combine_weight_grad(grad_TD: torch.Tensor, y_ND: torch.Tensor,
         return out.zero_()
     _launch(device, f"combine_weight_grad_{_SUFFIX[y_ND.dtype]}",
             _grid(device, pairs, _WARPS_PER_BLOCK, blocks_per_sm=64),
-            (grad_TD.contiguous(), y_ND.contiguous(), pos_TK.contiguous(), pairs, pos_TK.shape[1],
-             y_ND.shape[1], y_ND.shape[0]))
+            (grad_TD.contiguous(), y_ND.contiguous(), pos_TK.contiguous(), out, pairs,
+             pos_TK.shape[1], y_ND.shape[1], y_ND.shape[0]))
     return out
