@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,14 +42,22 @@ def jit_counts() -> tuple[int, int]:
     return loaded, compiled
 
 
-def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
+PARTS = ("planner", "rebalance_experts", "dispatch")
+
+
+def warm_up(progress: Callable[[str], None] | None = None,
+            parts: Sequence[str] = PARTS) -> dict[str, float]:
     """Compile every Numba kernel now (or load it from Numba's on-disk cache), so the first
     plan() or forward pass of a job does not pay for it. Returns seconds spent per part.
 
     ``progress``, if given, is called with each part's name ("planner", "rebalance_experts",
     "dispatch") as it starts: a cold compile takes tens of seconds per part. Set-up calls this
-    once; a job may call it at start-up, off the training step.
+    once; a job may call it at start-up, off the training step. ``parts`` (names of
+    :data:`PARTS`) limits it to those parts; the others compile on first use.
     """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"parts must be among {list(PARTS)}, got {unknown}")
     spent: dict[str, float] = {}
     if not has_numba():
         return spent
@@ -73,6 +81,8 @@ def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
             moe(x).sum().backward()
 
     for name, part in (("planner", planner), ("rebalance_experts", drop_in), ("dispatch", dispatch)):
+        if name not in parts:
+            continue
         if progress is not None:
             progress(name)
         start = time.perf_counter()
