@@ -60,7 +60,7 @@ SHARE_TRAFFIC = {"uneven batches": (12000, 6000, 0, 14000), "rank preferences": 
 SHARE_COLUMNS = ["traffic", "nodes", "pairs", "replicas", "max |rows - share x pairs|"]
 SECTIONS = ("cpu", "dist", "gpu", "shares", "experts")
 DIST_MODES = ("p2p", "all_to_all")   # the Dispatcher's row exchanges, each timed
-COLUMNS = ["section", "op", "method", "ms", "GB/s", "vs copy"]
+COLUMNS = ["section", "op", "method", "ms", "GB/s", "TFLOP/s", "vs copy"]
 
 
 @dataclass
@@ -69,8 +69,9 @@ class Row:
     op: str
     method: str
     ms: float
-    gbps: float
+    gbps: float | None  # bytes moved per second; None where a rate of work is the measure
     vs_copy: float | None = None
+    tflops: float | None = None  # the experts section: arithmetic per second
 
 
 # -- timing helpers ---------------------------------------------------------------------------
@@ -406,8 +407,8 @@ def run_experts(rows: int, hidden: int, ffn: int, repeats: int, seed: int,
                 flops = 3 * 3 * 2 * rows * hidden * ffn
                 label = f"{slots} slots {str(dtype).replace('torch.', '')} {device} fwd+bwd"
                 for method, seconds in timed.items():
-                    out.append(Row("experts", label, method, seconds * 1e3,
-                                   flops / seconds / 1e12, loop / seconds))
+                    out.append(Row("experts", label, method, seconds * 1e3, None,
+                                   loop / seconds, tflops=flops / seconds / 1e12))
     return out
 
 
@@ -444,7 +445,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cells(rows: Sequence[Row]) -> list[list[str]]:
-    return [[r.section, r.op, r.method, f"{r.ms:.2f}", f"{r.gbps:.2f}",
+    return [[r.section, r.op, r.method, f"{r.ms:.2f}",
+             "" if r.gbps is None else f"{r.gbps:.2f}",
+             "" if r.tflops is None else f"{r.tflops:.3f}",
              "" if r.vs_copy is None else f"{r.vs_copy:.2f}x"] for r in rows]
 
 
@@ -507,8 +510,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         rows += run_experts(preset["expert_rows"], preset["expert_hidden"], preset["expert_ffn"],
                             args.repeats, args.seed, devices)
         notes.append(f"experts: {preset['expert_rows']} rows, D={preset['expert_hidden']}, "
-                     f"F={preset['expert_ffn']}, forward + backward; the GB/s column holds "
-                     f"TFLOP/s and 'vs copy' the slot loop's time over each method's")
+                     f"F={preset['expert_ffn']}, forward + backward; 'vs copy' holds the slot "
+                     f"loop's time over each method's")
     if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
         notes.append("fresh CPU buffers pay first-touch page faults; THP_MEM_ALLOC_ENABLE=1 "
                      "(torch's huge-page allocations) removes most of that cost")

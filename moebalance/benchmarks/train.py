@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info, markdown_header
+from .report import format_markdown, format_text, machine_info, markdown_header, part_of
 
 DESCRIPTION = "What a live expert migration costs a training step (4 gloo ranks)."
 
@@ -256,8 +256,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ["  start cost at the boundary (ms, median)", f"{statistics.median(result['start_s']) * 1e3:.1f}", ""],
         ["  steps until every layer committed", ",".join(map(str, result["steps_in_flight"])), ""],
         ["moves per re-plan (of all slots)",
-         f"{statistics.median(moves):.0f} of {result['slots_total']} "
-         f"({statistics.median(moves) / result['slots_total']:.1%})", ">= 5%"],
+         part_of(statistics.median(moves), result["slots_total"]), ">= 5%"],
         ["bytes moved per re-plan (MB, weights + Adam moments)", f"{statistics.median(mbytes):.2f}", ""],
         ["migration time per MB, blocking (ms/MB)", f"{statistics.median(per_mb) * 1e3:.2f}", ""],
         ["replica grad sync, bytes sent per rank per step (KB)",
