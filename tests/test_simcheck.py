@@ -103,6 +103,7 @@ def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path):
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "same ranking" in proc.stdout
+    assert "moebalance bench simcheck [" in proc.stderr and "calibrating" in proc.stderr
     result = json.loads((tmp_path / "results.json").read_text())
     assert len(result["policies"]) == 4
     for row in result["policies"]:

@@ -29,6 +29,8 @@ def test_bench_train_command_reports_its_figures(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio to the median step" in proc.stdout
+    # a progress line per phase, from the parent and from rank 0
+    assert "moebalance bench train [" in proc.stderr and "live migrations" in proc.stderr
     result = json.loads((tmp_path / "results.json").read_text())["result"]
     assert all(r["error"] is None and r["moves"] >= 4 for r in result["reports"])
     assert len(result["sync_bytes_per_rank"]) == 4 and (tmp_path / "summary.md").is_file()

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..backends import has_cupy_gpu, has_numba
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info
+from .report import format_markdown, format_text, machine_info, phase
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
@@ -478,12 +478,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"S={args.slots}, {args.repeats} interleaved repeats (median); threads: {threads}",
           flush=True)
     started = time.perf_counter()
+    t0, prog = time.time(), "moebalance bench dispatch"
     if "cpu" in sections:
+        phase(prog, "cpu: permute and unpermute kernels against their baselines", t0)
         if has_numba():
             rows += run_cpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats, args.seed)
         else:
             notes.append("cpu section skipped: Numba is not installed")
     if "dist" in sections:
+        phase(prog, f"dist: dispatch and combine on {args.ranks} spawned gloo ranks (the longest "
+                    f"section)", t0)
         rows += run_dist(args.ranks, args.dist_tokens, args.dist_hidden, args.top_k,
                          preset["dist_repeats"] if args.quick else max(args.repeats, 5), args.seed)
         notes.append(f"dist: {args.ranks} gloo ranks on 127.0.0.1, one thread each, "
@@ -498,15 +502,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      f"permute, reorder or combine")
     if "gpu" in sections:
         if has_cupy_gpu():
+            phase(prog, "gpu: CUDA gather_rows and combine", t0)
             rows += run_gpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats,
                             args.seed)
         else:
             notes.append("gpu section skipped: needs CuPy and a CUDA GPU")
     share_rows: list[dict] = []
     if "shares" in sections:
+        phase(prog, "shares: rows each replica receives against its share", t0)
         share_rows = run_shares(args.seed)
     if "experts" in sections:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        phase(prog, f"experts: slot loop against grouped_mm on {', '.join(devices)}", t0)
         rows += run_experts(preset["expert_rows"], preset["expert_hidden"], preset["expert_ffn"],
                             args.repeats, args.seed, devices)
         notes.append(f"experts: {preset['expert_rows']} rows, D={preset['expert_hidden']}, "

@@ -25,6 +25,15 @@ def _is_number(text: str) -> bool:
     return text.rstrip("x%").replace(".", "", 1).replace("-", "", 1).isdigit()
 
 
+def phase(prog: str, text: str, since: float) -> None:
+    """One progress line on stderr for a step of a long command: ``prog [12 s] text``;
+    ``since`` is the command's start (``time.time()``, so that spawned ranks can pass it on)."""
+    import sys
+    import time
+
+    print(f"{prog} [{time.time() - since:4.0f} s] {text}", file=sys.stderr, flush=True)
+
+
 def part_of(count: float, total: int) -> str:
     """``4.5 of 80 (5.6%)``: a count (a median may end in .5) and its share, the same figure in
     both."""
