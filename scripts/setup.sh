@@ -46,7 +46,7 @@ step 3 "moebalance, editable, with extras [${EXTRAS:-none}] (pip lists what it f
 .venv/bin/python -m pip install --progress-bar on -e "$SPEC"
 done_step "installed moebalance"
 
-step 4 "Numba kernels (${KERNELS}): compile once now (kept in Numba's on-disk cache), not in the first run"
+step 4 "Numba kernels (${KERNELS}): compile once now (kept in Numba's on-disk cache)"
 KERNELS="$KERNELS" .venv/bin/python - <<'PY'
 import os
 import time
