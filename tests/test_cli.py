@@ -110,6 +110,10 @@ def test_bench_quick_prints_the_table_and_one_thread(quick_bench):
     _, stdout = quick_bench
     assert "one thread" in stdout
     assert "scenario" in stdout and "plan ms" in stdout and "homogeneous-320" in stdout
+    # the verdict opens the output, one line per cluster, before the full tables
+    assert stdout.index("Verdict:") < stdout.index("stale > re-split > re-plan") < \
+        stdout.index("Full tables") < stdout.index("scenario  ")
+    assert "EPLB calls over 0.5 s are timed once" in " ".join(stdout.split())
 
 
 def test_options_without_a_command_go_to_bench(monkeypatch, capsys):
