@@ -477,14 +477,14 @@ def test_tables_right_align_numbers_among_blank_cells_and_counts_agree():
         "4 of 80 (5.0%)"
 
 
-def test_dispatch_table_keeps_tflops_out_of_the_bandwidth_column():
+def test_dispatch_table_keeps_flops_out_of_the_bandwidth_column():
     from moebalance.benchmarks import dispatch
 
     rows = [dispatch.Row("cpu", "permute", "numba", 1.0, 20.0, 1.5),
-            dispatch.Row("experts", "4 slots", "grouped_mm", 2.0, None, 1.2, tflops=0.75)]
+            dispatch.Row("experts", "4 slots", "grouped_mm", 2.0, None, 1.2, gflops=0.75)]
     cells = {c[0]: dict(zip(dispatch.COLUMNS, c)) for c in dispatch._cells(rows)}
-    assert cells["cpu"]["GB/s"] == "20.00" and cells["cpu"]["TFLOP/s"] == ""
-    assert cells["experts"]["GB/s"] == "" and cells["experts"]["TFLOP/s"] == "0.750"
+    assert cells["cpu"]["GB/s"] == "20.00" and cells["cpu"]["GFLOP/s"] == ""
+    assert cells["experts"]["GB/s"] == "" and cells["experts"]["GFLOP/s"] == "0.8"
 
 
 def test_frontier_plot_tells_every_series_apart(tmp_path, monkeypatch):

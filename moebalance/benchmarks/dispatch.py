@@ -60,7 +60,7 @@ SHARE_TRAFFIC = {"uneven batches": (12000, 6000, 0, 14000), "rank preferences": 
 SHARE_COLUMNS = ["traffic", "nodes", "pairs", "replicas", "max |rows - share x pairs|"]
 SECTIONS = ("cpu", "dist", "gpu", "shares", "experts")
 DIST_MODES = ("p2p", "all_to_all")   # the Dispatcher's row exchanges, each timed
-COLUMNS = ["section", "op", "method", "ms", "GB/s", "TFLOP/s", "vs copy"]
+COLUMNS = ["section", "op", "method", "ms", "GB/s", "GFLOP/s", "vs copy"]
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Row:
     ms: float
     gbps: float | None  # bytes moved per second; None where a rate of work is the measure
     vs_copy: float | None = None
-    tflops: float | None = None  # the experts section: arithmetic per second
+    gflops: float | None = None  # the experts section: arithmetic per second
 
 
 # -- timing helpers ---------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def run_experts(rows: int, hidden: int, ffn: int, repeats: int, seed: int,
                 label = f"{slots} slots {str(dtype).replace('torch.', '')} {device} fwd+bwd"
                 for method, seconds in timed.items():
                     out.append(Row("experts", label, method, seconds * 1e3, None,
-                                   loop / seconds, tflops=flops / seconds / 1e12))
+                                   loop / seconds, gflops=flops / seconds / 1e9))
     return out
 
 
@@ -447,7 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _cells(rows: Sequence[Row]) -> list[list[str]]:
     return [[r.section, r.op, r.method, f"{r.ms:.2f}",
              "" if r.gbps is None else f"{r.gbps:.2f}",
-             "" if r.tflops is None else f"{r.tflops:.3f}",
+             "" if r.gflops is None else f"{r.gflops:.1f}",
              "" if r.vs_copy is None else f"{r.vs_copy:.2f}x"] for r in rows]
 
 
@@ -554,7 +554,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           format_markdown(COLUMNS, _cells(rows)), "",
           "GB/s: bytes a method must move (permute 2*N*D, unpermute (N+T)*D, copy 2*N*D elements) "
           "over its time. 'vs copy': GB/s over the plain copy's (fresh buffers against clone, "
-          "out= against copy_).", ""]
+          "out= against copy_). GFLOP/s (experts section): the three GEMMs of forward and "
+          "backward over the time; its 'vs copy' is the slot loop's time over each method's.",
+          ""]
     if share_rows:
         md += ["Shares realised (4 gloo ranks):", "",
                format_markdown(SHARE_COLUMNS, _share_cells(share_rows)), ""]
