@@ -375,6 +375,7 @@ def test_simulate_command_replays_a_recorded_trace(tmp_path, capsys):
     (["--trace", "nowhere.npz"], "--trace: cannot read trace"),
     (["--trace", "mixtral", "--every", "400"], "holds 300 steps"),
     (["--trace", "mixtral", "--every", "200"], "too few for a re-plan every 200 steps"),
+    (["--steps", "50", "--every", "100"], "too few for a re-plan every 100 steps"),
     (["--cluster", "homogeneous-320"], "is a slot layout of 'moebalance plan'"),
     (["--model", "gpt-9"], "--model: model must be one of"),
 ])

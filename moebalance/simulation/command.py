@@ -154,6 +154,16 @@ def _recorded_top_k(trace: str) -> int | None:
     return int(k) if k else None
 
 
+def _check_replans(simulated: int, window: int, every: int) -> None:
+    """UsageError when ``simulated`` steps after ``window`` steps of history hold no re-plan."""
+    if replans_in(simulated, window, every) == 0:
+        raise UsageError(
+            f"the trace gives {simulated} steps after the {window} steps of history, too few "
+            f"for a re-plan every {every} steps (the first at step "
+            f"{(window // every + 1) * every}): every policy would keep its first placement. "
+            f"Lower --every (and --window), or give more --steps")
+
+
 def replans_in(steps: int, warmup: int, every: int) -> int:
     """Re-plans a periodic policy makes over ``steps`` simulated steps after ``warmup`` steps of
     history (at every step index t > warmup with t % every == 0, as policies.Periodic does)."""
@@ -253,17 +263,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         started = time.perf_counter()
         if args.trace == "generated":        # a model that does not fit fails before any work
             _step_model(cluster, base_model)
+            _check_replans(steps, window, every)
         counts, model, what = _trace_for(args, cluster, base_model, steps, window)
         step_model = _step_model(cluster, model)
         price = move_price(step_model, every, model.num_layers) if args.move_price else None
         policies = default_policies(every, window, price, args.max_moves)
         simulated = counts.shape[0] - window
-        if replans_in(simulated, window, every) == 0:
-            raise UsageError(
-                f"the trace gives {simulated} steps after the {window} steps of history, too few "
-                f"for a re-plan every {every} steps (the first at step "
-                f"{(window // every + 1) * every}): every policy would keep its first placement. "
-                f"Lower --every (and --window), or give more --steps")
+        _check_replans(simulated, window, every)
         if args.layer is not None and args.layer >= model.num_layers:
             raise UsageError(f"--layer {args.layer}: the model has {model.num_layers} layers "
                              f"(0..{model.num_layers - 1})")
