@@ -21,8 +21,14 @@ Figures (DESIGN.md section 2): imbalance is ``sum_l max_g(load/speed) / sum_l id
 layer is the largest per-layer imbalance; balancedness is EPLB's mean/max device load averaged
 over layers; moves are expert copies to transfer from the previous placement (all slots for a
 first placement); plan time is the median wall time of one call for all layers, warm, on one
-thread, with the methods' calls interleaved so that machine noise hits them alike. Only the
-planning call is timed: not validation, not the conversion of EPLB's output to a Placement.
+thread, with the methods' calls interleaved so that machine noise hits them alike; an EPLB call
+slower than ``SLOW_CALL_S`` is timed once. Only the planning call is timed: not validation, not
+the conversion of EPLB's output to a Placement.
+
+Runs: the default (the model's size on one cluster of each kind and the trace, about a minute on
+2 cores), ``--quick`` (8 layers, every cluster) and ``--full`` (every cluster, every move
+budget, the drop-in table). Output opens with the verdict (:mod:`.verdict`), one line per
+cluster, then the full tables.
 
 Writes ``results.json`` (rows, machine, versions, command line), ``summary.md`` and
 ``plot.png`` to the output folder.
