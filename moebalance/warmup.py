@@ -68,6 +68,7 @@ def warm_up(progress: Callable[[str], None] | None = None,
     def planner() -> None:
         previous = plan(w, topo, backend="numba")
         plan(w[:, ::-1].copy(), topo, previous=previous, max_moves=3, backend="numba")
+        plan(w, topo, spread=np.stack([w, w[:, ::-1]]), backend="numba")  # spread-aware path
 
     def drop_in() -> None:
         rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical
