@@ -5,10 +5,12 @@
     moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance bench resplit ...                      per-step re-split benchmark
     moebalance bench wrap ...                         a wrapped transformers model against one process
+    moebalance bench simcheck ...                     the simulator's step model against training
     moebalance bench pretrained ...                   peak memory of mb.from_pretrained per rank
     moebalance bench faults ...                       one rank's error on every rank (4 gloo ranks)
     moebalance bench straggler ...                    measured speeds and a slowed rank (4 gloo ranks)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
+                    [--previous FILE [--max-moves N]] [--force]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
     moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]   modelled step time per policy
 
@@ -71,9 +73,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("--max-moves bounds the moves away from a current placement: give that "
                          "placement with --previous FILE, or leave --max-moves out")
     out = writable_file(args.out, "--out")  # before any work: a bad path fails at once
+    written = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
+    if written.exists() and not args.force:
+        raise UsageError(f"--out: {str(written)!r} exists (a placement planned before?); give "
+                         f"another --out FILE, or --force to replace it")
     loads = read_loads(args.loads, args.key)
-    topology = topology_from_args(args)
-    previous = read_placement(args.previous, "--previous")[0] if args.previous else None
+    previous, saved = read_placement(args.previous, "--previous") if args.previous else (None, None)
+    topology = topology_from_args(args, required=saved is None)
+    if topology is None:  # --previous holds the devices it was planned for
+        topology = saved
     if previous is not None and (
             (previous.num_layers, previous.num_experts) != loads.shape
             or not np.array_equal(previous.slot_device, topology.slot_device)):
@@ -111,8 +119,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         placement.save(out, topology=topology)
     except OSError as exc:
         raise UsageError(f"--out: cannot write {args.out!r}: {exc.strerror or exc}") from None
-    print(f"wrote {out if out.suffix == '.npz' else out.with_name(out.name + '.npz')} "
-          f"(the placement and its topology)")
+    print(f"wrote {written} (the placement and its topology)")
     return 0
 
 
@@ -209,8 +216,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # `moebalance bench NAME ...` runs moebalance.benchmarks.NAME
-SUB_BENCHMARKS = ("dispatch", "train", "resplit", "wrap", "simcheck", "straggler",
-                  "pretrained", "faults")
+SUB_BENCHMARK_HELP = {
+    "dispatch": "the dispatch benchmark",
+    "train": "the live-migration benchmark (4 gloo ranks)",
+    "resplit": "the per-step re-split benchmark",
+    "wrap": "a wrapped transformers model on gloo ranks against one process",
+    "simcheck": "the simulator's step model against measured training (4 gloo ranks)",
+    "straggler": "measured speeds and a rank that slows down (4 gloo ranks)",
+    "pretrained": "peak memory per rank of mb.from_pretrained against the whole model",
+    "faults": "one rank's error raised on every rank (4 gloo ranks)",
+}
+SUB_BENCHMARKS = tuple(SUB_BENCHMARK_HELP)
 
 
 def run_sub_bench(name: str, argv: Sequence[str]) -> int:
@@ -244,14 +260,13 @@ def build_parser() -> ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{bench,plan,inspect,simulate}",
                                 parser_class=ArgumentParser)
 
-    bench = sub.add_parser("bench", help="planner benchmark against EPLB (--quick: a short "
-                                         "run); 'bench dispatch --help', 'bench train --help' and "
-                                         "'bench resplit --help' for the dispatch, live-migration "
-                                         "and per-step re-split benchmarks",
-                           description=planner.DESCRIPTION
-                           + " 'moebalance bench dispatch ...' runs the dispatch benchmark, "
-                             "'moebalance bench train ...' the live-migration benchmark, "
-                             "'moebalance bench resplit ...' the per-step re-split benchmark.")
+    bench = sub.add_parser("bench", help="planner benchmark against EPLB (about a minute; "
+                                         "--quick: a short run, --full: every cluster); "
+                                         "'bench NAME --help' for the others: "
+                                         + ", ".join(SUB_BENCHMARKS),
+                           description=planner.DESCRIPTION + " " + " ".join(
+                               f"'moebalance bench {name} ...' runs {what}." for name, what in
+                               SUB_BENCHMARK_HELP.items()))
     planner.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -263,11 +278,15 @@ def build_parser() -> ArgumentParser:
                            ".npy, .npz or .pt file")
     plan.add_argument("--key", help="array name inside an .npz or a saved dict (default: loads)")
     add_topology_arguments(plan)
-    plan.add_argument("--previous", metavar="FILE", help="current placement, to move few experts")
+    plan.add_argument("--previous", metavar="FILE",
+                      help="current placement, to move few experts; its saved topology serves "
+                           "when no topology flag is given")
     plan.add_argument("--max-moves", type=nonneg_int_arg, metavar="N",
                       help="at most N expert copies in total (needs --previous)")
     plan.add_argument("--out", default="placement.npz", metavar="FILE",
-                      help="where to save the placement and its topology (default: placement.npz)")
+                      help="where to save the placement and its topology (default: "
+                           "placement.npz); an existing file is kept unless --force")
+    plan.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     plan.set_defaults(func=cmd_plan)
 
     inspect = sub.add_parser("inspect", help="summarise a saved placement",

@@ -261,8 +261,9 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--topology", metavar="FILE",
                        help='JSON: {"speed": [...], "slots": [...], "node": [...]}')
     group.add_argument("--cluster", metavar="NAME",
-                       help="a built-in cluster: homogeneous-320, homogeneous-288, uneven-288, "
-                            "heterogeneous")
+                       help="a built-in slot layout: homogeneous-320, homogeneous-288, "
+                            "uneven-288, heterogeneous (not the hardware presets of 'moebalance "
+                            "simulate --cluster')")
 
 
 def topology_from_args(args: argparse.Namespace, required: bool = True):
@@ -282,6 +283,13 @@ def topology_from_args(args: argparse.Namespace, required: bool = True):
         return read_topology_file(args.topology)
     if args.cluster is not None:
         if args.cluster not in workloads.CLUSTERS:
+            from .simulation.cluster import CLUSTER_PRESETS
+
+            if args.cluster in CLUSTER_PRESETS:
+                raise UsageError(f"--cluster {args.cluster!r} is a hardware preset of 'moebalance "
+                                 f"simulate' (it describes GPUs, not expert slots); here --cluster "
+                                 f"takes a slot layout: {sorted(workloads.CLUSTERS)}, or use "
+                                 f"--devices N --slots K")
             raise UsageError(f"--cluster must be one of {sorted(workloads.CLUSTERS)}, got {args.cluster!r}")
         return workloads.cluster(args.cluster).topology()
     if args.slots is None:

@@ -550,10 +550,16 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
         owner = _TRACKER_OF_ROUTER.get(router)
         other = owner() if owner is not None else None
         if other is not None and other.attached:
+            # mb.wrap(track=True) keeps its tracker on the model: name where to find it
+            holder = next((f"{'model.' + n if n else 'model'}.moebalance_tracker"
+                           for n, m in model.named_modules()
+                           if getattr(m, "moebalance_tracker", None) is other), None)
+            where = (f"mb.wrap attached it as {holder}: use that" if holder else
+                     "attach() returned it")
             raise ValueError(
                 f"router {name} of this model already records into a LoadTracker ({other!r}); a "
-                f"second one would count every token again. Use that tracker (attach() returned "
-                f"it; a Rebalancer takes it as tracker=), or call its detach() before attaching "
+                f"second one would count every token again. Use that tracker ({where}; a "
+                f"Rebalancer takes it as tracker=), or call its detach() before attaching "
                 f"another"
             )
     for _, router, _ in routers:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,14 +42,22 @@ def jit_counts() -> tuple[int, int]:
     return loaded, compiled
 
 
-def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
+PARTS = ("planner", "rebalance_experts", "dispatch")
+
+
+def warm_up(progress: Callable[[str], None] | None = None,
+            parts: Sequence[str] = PARTS) -> dict[str, float]:
     """Compile every Numba kernel now (or load it from Numba's on-disk cache), so the first
     plan() or forward pass of a job does not pay for it. Returns seconds spent per part.
 
     ``progress``, if given, is called with each part's name ("planner", "rebalance_experts",
     "dispatch") as it starts: a cold compile takes tens of seconds per part. Set-up calls this
-    once; a job may call it at start-up, off the training step.
+    once; a job may call it at start-up, off the training step. ``parts`` (names of
+    :data:`PARTS`) limits it to those parts; the others compile on first use.
     """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"parts must be among {list(PARTS)}, got {unknown}")
     spent: dict[str, float] = {}
     if not has_numba():
         return spent
@@ -60,6 +68,7 @@ def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
     def planner() -> None:
         previous = plan(w, topo, backend="numba")
         plan(w[:, ::-1].copy(), topo, previous=previous, max_moves=3, backend="numba")
+        plan(w, topo, spread=np.stack([w, w[:, ::-1]]), backend="numba")  # spread-aware path
 
     def drop_in() -> None:
         rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical
@@ -79,6 +88,8 @@ def warm_up(progress: Callable[[str], None] | None = None) -> dict[str, float]:
         resplit_shares(torch.ones(3), table.share_EX, resplit_plan(table, [1.0, 1.0]))
 
     for name, part in (("planner", planner), ("rebalance_experts", drop_in), ("dispatch", dispatch)):
+        if name not in parts:
+            continue
         if progress is not None:
             progress(name)
         start = time.perf_counter()

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Set up .venv for moebalance: it sees a torch the user already has (system site packages);
 # only where no torch is importable does it install the pinned CPU build (an unpinned torch
-# would pull a multi-GB CUDA build). Then installs the package, editable, with the given extras,
-# and compiles the Numba kernels once. Every step says what it does and how long it took.
+# would pull a multi-GB CUDA build). Then installs the package, editable, with the given extras
+# (none: "" as the argument), and compiles the Numba kernels once: every part, or those KERNELS
+# names (comma separated: planner, rebalance_experts, dispatch; the others compile on first use).
+# Every step says what it does and how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${1:-test}
+EXTRAS=${1-test}
+KERNELS=${KERNELS:-planner,rebalance_experts,dispatch}
+SPEC="."
+[ -n "$EXTRAS" ] && SPEC=".[${EXTRAS}]"
 START=$(date +%s)
 STEP_START=$START
 
@@ -37,19 +42,22 @@ else
     done_step "installed torch 2.13.0"
 fi
 
-step 3 "moebalance, editable, with extras [${EXTRAS}] (pip lists what it finds and installs)"
-.venv/bin/python -m pip install --progress-bar on -e ".[${EXTRAS}]"
+step 3 "moebalance, editable, with extras [${EXTRAS:-none}] (pip lists what it finds and installs)"
+.venv/bin/python -m pip install --progress-bar on -e "$SPEC"
 done_step "installed moebalance"
 
-step 4 "Numba kernels: compile once now (kept in Numba's on-disk cache), not in the first benchmark"
-.venv/bin/python - <<'PY'
+step 4 "Numba kernels (${KERNELS}): compile once now (kept in Numba's on-disk cache)"
+KERNELS="$KERNELS" .venv/bin/python - <<'PY'
+import os
 import time
 
 import moebalance
 from moebalance.warmup import jit_counts
 
 start = time.perf_counter()
-spent = moebalance.warm_up(progress=lambda part: print(f"   {part} kernels ...", flush=True))
+parts = os.environ["KERNELS"].split(",")
+spent = moebalance.warm_up(progress=lambda part: print(f"   {part} kernels ...", flush=True),
+                           parts=parts)
 loaded, compiled = jit_counts()
 if not spent:
     print("   numba is not installed: the planner and dispatch run their numpy/torch references")

@@ -203,3 +203,12 @@ def test_warm_up_compiles_every_part():
         assert all(seconds >= 0 for seconds in spent.values())
     else:
         assert spent == {}
+
+
+def test_warm_up_of_some_parts_leaves_the_others_and_names_a_bad_part():
+    import moebalance as mb
+
+    spent = mb.warm_up(parts=["planner"])
+    assert set(spent) == ({"planner"} if mb.backends()["numba"] else set())
+    with pytest.raises(ValueError, match=r"parts must be among .*'router'"):
+        mb.warm_up(parts=["planner", "router"])

@@ -110,6 +110,10 @@ def test_bench_quick_prints_the_table_and_one_thread(quick_bench):
     _, stdout = quick_bench
     assert "one thread" in stdout
     assert "scenario" in stdout and "plan ms" in stdout and "homogeneous-320" in stdout
+    # the verdict opens the output, one line per cluster, before the full tables
+    assert stdout.index("Verdict:") < stdout.index("stale > re-split > re-plan") < \
+        stdout.index("Full tables") < stdout.index("scenario  ")
+    assert "EPLB calls over 0.5 s are timed once" in " ".join(stdout.split())
 
 
 def test_options_without_a_command_go_to_bench(monkeypatch, capsys):
@@ -418,3 +422,89 @@ def test_version_prints_the_package_version(capsys):
 
     rc, out, _ = run_cli(["--version"], capsys)
     assert rc == 0 and moebalance.__version__ in out
+
+
+# -- traps a new user falls into ------------------------------------------------------------------
+
+def test_plan_keeps_an_existing_out_file_unless_forced(loads_file, tmp_path, capsys):
+    path, _ = loads_file
+    out = tmp_path / "p.npz"
+    argv = ["plan", str(path), "--devices", "4", "--slots", "5", "--out", str(out)]
+    assert run_cli(argv, capsys)[0] == 0
+    before = out.read_bytes()
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and "exists" in err and "--force" in err and out.read_bytes() == before
+    rc, stdout, err = run_cli([*argv, "--force"], capsys)
+    assert rc == 0 and f"wrote {out}" in stdout, err
+
+
+def test_plan_with_previous_takes_the_topology_saved_with_it(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    first, second = tmp_path / "a.npz", tmp_path / "b.npz"
+    assert run_cli(["plan", str(path), "--devices", "4", "--slots", "5", "--devices-per-node",
+                    "2", "--out", str(first)], capsys)[0] == 0
+    rc, stdout, err = run_cli(["plan", str(path), "--previous", str(first), "--max-moves", "2",
+                               "--out", str(second)], capsys)  # no topology flags
+    assert rc == 0, err
+    placement, saved = Placement.load_with_topology(second)
+    assert saved == Topology.uniform(4, 5, 2) and placement.moves_from(Placement.load(first)) <= 2
+
+
+def test_plan_cluster_names_the_other_namespace(loads_file, capsys):
+    path, _ = loads_file
+    rc, _, err = run_cli(["plan", str(path), "--cluster", "h100-64"], capsys)
+    assert rc == 2 and "hardware preset of 'moebalance simulate'" in err
+    assert "homogeneous-320" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_help_lists_every_sub_benchmark(capsys):
+    rc, out, _ = run_cli(["--help"], capsys)
+    assert rc == 0
+    rc, bench_help, _ = run_cli(["bench", "--help"], capsys)
+    for name in cli.SUB_BENCHMARKS:
+        assert name in out and f"moebalance bench {name}" in " ".join(bench_help.split())
+        assert f"moebalance bench {name}" in cli.__doc__
+
+
+def test_tables_right_align_numbers_among_blank_cells_and_counts_agree():
+    cells = [["a", "", "1.5"], ["bb", "12.25", ""]]
+    text = report.format_text(("name", "GB/s", "TFLOP/s"), cells).splitlines()
+    right_edge = text[0].index("GB/s") + len("GB/s")
+    assert text[2].endswith("1.5") and text[3].index("12.25") + len("12.25") == right_edge
+    assert report.format_markdown(("name", "GB/s", "TFLOP/s"), cells).splitlines()[1] == \
+        "|---|---:|---:|"
+    assert report.part_of(4.5, 80) == "4.5 of 80 (5.6%)" and report.part_of(4, 80) == \
+        "4 of 80 (5.0%)"
+
+
+def test_dispatch_table_keeps_flops_out_of_the_bandwidth_column():
+    from moebalance.benchmarks import dispatch
+
+    rows = [dispatch.Row("cpu", "permute", "numba", 1.0, 20.0, 1.5),
+            dispatch.Row("experts", "4 slots", "grouped_mm", 2.0, None, 1.2, gflops=0.75)]
+    cells = {c[0]: dict(zip(dispatch.COLUMNS, c)) for c in dispatch._cells(rows)}
+    assert cells["cpu"]["GB/s"] == "20.00" and cells["cpu"]["GFLOP/s"] == ""
+    assert cells["experts"]["GB/s"] == "" and cells["experts"]["GFLOP/s"] == "0.8"
+
+
+def test_frontier_plot_tells_every_series_apart(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moebalance.benchmarks.migration import FrontierPoint, plot_frontier
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    points = [FrontierPoint("synthetic", f"cluster-{c}", drift, budget, None, 1.0 + c / 10,
+                            moves, moves, 0.0, 0.0)
+              for c in range(7) for drift in (0.05, 0.2)
+              for budget, moves in (("stale", 0.0), ("keep-old", 0.0), ("5%", 5.0),
+                                    ("unlimited", 9.0), ("fresh", 90.0))]
+    plot_frontier(points, tmp_path / "frontier.png")
+    ax = figures[0].axes[0]
+    series = {(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle())
+              for line in ax.get_lines()}
+    assert len(ax.get_lines()) == 14 and len(series) == 14
+    assert "0-10%" not in ax.get_title()

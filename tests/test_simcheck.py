@@ -103,6 +103,7 @@ def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path):
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "same ranking" in proc.stdout
+    assert "moebalance bench simcheck [" in proc.stderr and "calibrating" in proc.stderr
     result = json.loads((tmp_path / "results.json").read_text())
     assert len(result["policies"]) == 4
     for row in result["policies"]:
@@ -112,13 +113,14 @@ def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path):
     assert (tmp_path / "summary.md").is_file()
 
 
-def test_simcheck_rejects_a_calibration_of_another_shape(tmp_path):
+def test_simcheck_rejects_a_calibration_of_another_shape(tmp_path, capsys):
     figures = {"flops": 4e10, "bandwidth": 1e9, "latency": 1e-3, "non_moe_flops_per_token": 0.0}
     cfg = {"layers": 4, "experts": 16, "top_k": 2, "hidden": 64, "ffn": 128, "tokens": 32,
            "ranks": 4, "cores": 2, "pace": True}
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(calibration_cluster(figures, cfg)))
-    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "simcheck",
-                           "--calibration", str(path), "--hidden", "32"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--hidden 32" in proc.stderr
+    from moebalance import cli
+
+    # in this process: the check runs before any rank is spawned
+    assert cli.main(["bench", "simcheck", "--calibration", str(path), "--hidden", "32"]) == 2
+    assert "--hidden 32" in capsys.readouterr().err

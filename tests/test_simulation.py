@@ -364,6 +364,9 @@ def test_simulate_command_replays_a_recorded_trace(tmp_path, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "results.json").read_text())["results"][0]
     assert result["steps"] == 250 and "recorded" in result["trace"]
+    # the shape and the router's top-k come from the trace, not from --model
+    assert (result["model"]["num_experts"], result["model"]["top_k"]) == (16, 4)
+    assert "top-4 as recorded" in result["trace"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -371,6 +374,9 @@ def test_simulate_command_replays_a_recorded_trace(tmp_path, capsys):
     (["--cluster", "h100-8"], "do not fit"),
     (["--trace", "nowhere.npz"], "--trace: cannot read trace"),
     (["--trace", "mixtral", "--every", "400"], "holds 300 steps"),
+    (["--trace", "mixtral", "--every", "200"], "too few for a re-plan every 200 steps"),
+    (["--steps", "50", "--every", "100"], "too few for a re-plan every 100 steps"),
+    (["--cluster", "homogeneous-320"], "is a slot layout of 'moebalance plan'"),
     (["--model", "gpt-9"], "--model: model must be one of"),
 ])
 def test_simulate_command_errors_are_one_line(argv, message, tmp_path, capsys):

@@ -521,6 +521,24 @@ def test_a_second_tracker_on_the_same_model_is_refused_until_the_first_detaches(
     assert first.snapshot().sum() == 0
 
 
+def test_attach_on_a_wrapped_model_names_model_moebalance_tracker():
+    model = nn.Sequential(ToyMoE(), ToyMoE())
+    model.moebalance_tracker = mb.attach(model)  # what mb.wrap(model, ..., track=True) does
+    with pytest.raises(ValueError, match=r"as model\.moebalance_tracker: use that"):
+        mb.attach(model)
+    holder = nn.ModuleDict({"net": model})       # e.g. a LightningModule around it
+    with pytest.raises(ValueError, match=r"as model\.net\.moebalance_tracker"):
+        mb.attach(holder)
+
+
+def test_integrations_package_reaches_unwrap_state_dict():
+    import moebalance.integrations as integrations
+
+    assert callable(integrations.wrap)  # the name is the function, not its module
+    assert "unwrap_state_dict" in integrations.__all__
+    assert integrations.unwrap_state_dict.__module__ == "moebalance.integrations.wrap"
+
+
 def test_attached_tracker_is_found_from_any_module_holding_the_model():
     from moebalance.tracker import attached_tracker
 

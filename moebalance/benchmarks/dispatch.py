@@ -47,7 +47,7 @@ import numpy as np
 
 from ..backends import has_cupy_gpu, has_numba
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info
+from .report import format_markdown, format_text, machine_info, phase
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
@@ -62,7 +62,7 @@ SHARE_TRAFFIC = {"uneven batches": (12000, 6000, 0, 14000), "rank preferences": 
 SHARE_COLUMNS = ["traffic", "nodes", "pairs", "replicas", "max |rows - share x pairs|"]
 SECTIONS = ("cpu", "dist", "gpu", "shares", "experts")
 DIST_MODES = ("p2p", "all_to_all")   # the Dispatcher's row exchanges, each timed
-COLUMNS = ["section", "op", "method", "ms", "GB/s", "vs copy"]
+COLUMNS = ["section", "op", "method", "ms", "GB/s", "GFLOP/s", "vs copy"]
 
 
 @dataclass
@@ -71,8 +71,9 @@ class Row:
     op: str
     method: str
     ms: float
-    gbps: float
+    gbps: float | None  # bytes moved per second; None where a rate of work is the measure
     vs_copy: float | None = None
+    gflops: float | None = None  # the experts section: arithmetic per second
 
 
 # -- timing helpers ---------------------------------------------------------------------------
@@ -436,8 +437,8 @@ def run_experts(rows: int, hidden: int, ffn: int, repeats: int, seed: int,
                 flops = 3 * 3 * 2 * rows * hidden * ffn
                 label = f"{slots} slots {str(dtype).replace('torch.', '')} {device} fwd+bwd"
                 for method, seconds in timed.items():
-                    out.append(Row("experts", label, method, seconds * 1e3,
-                                   flops / seconds / 1e12, loop / seconds))
+                    out.append(Row("experts", label, method, seconds * 1e3, None,
+                                   loop / seconds, gflops=flops / seconds / 1e9))
     return out
 
 
@@ -474,7 +475,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cells(rows: Sequence[Row]) -> list[list[str]]:
-    return [[r.section, r.op, r.method, f"{r.ms:.2f}", f"{r.gbps:.2f}",
+    return [[r.section, r.op, r.method, f"{r.ms:.2f}",
+             "" if r.gbps is None else f"{r.gbps:.2f}",
+             "" if r.gflops is None else f"{r.gflops:.1f}",
              "" if r.vs_copy is None else f"{r.vs_copy:.2f}x"] for r in rows]
 
 
@@ -505,12 +508,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"S={args.slots}, {args.repeats} interleaved repeats (median); threads: {threads}",
           flush=True)
     started = time.perf_counter()
+    t0, prog = time.time(), "moebalance bench dispatch"
     if "cpu" in sections:
+        phase(prog, "cpu: permute and unpermute kernels against their baselines", t0)
         if has_numba():
             rows += run_cpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats, args.seed)
         else:
             notes.append("cpu section skipped: Numba is not installed")
     if "dist" in sections:
+        phase(prog, f"dist: dispatch and combine on {args.ranks} spawned gloo ranks (the longest "
+                    f"section)", t0)
         rows += run_dist(args.ranks, args.dist_tokens, args.dist_hidden, args.top_k,
                          preset["dist_repeats"] if args.quick else max(args.repeats, 5), args.seed)
         notes.append(f"dist: {args.ranks} gloo ranks on 127.0.0.1, one thread each, "
@@ -525,20 +532,23 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      f"permute, reorder or combine")
     if "gpu" in sections:
         if has_cupy_gpu():
+            phase(prog, "gpu: CUDA gather_rows and combine", t0)
             rows += run_gpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats,
                             args.seed)
         else:
             notes.append("gpu section skipped: needs CuPy and a CUDA GPU")
     share_rows: list[dict] = []
     if "shares" in sections:
+        phase(prog, "shares: rows each replica receives against its share", t0)
         share_rows = run_shares(args.seed)
     if "experts" in sections:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        phase(prog, f"experts: slot loop against grouped_mm on {', '.join(devices)}", t0)
         rows += run_experts(preset["expert_rows"], preset["expert_hidden"], preset["expert_ffn"],
                             args.repeats, args.seed, devices)
         notes.append(f"experts: {preset['expert_rows']} rows, D={preset['expert_hidden']}, "
-                     f"F={preset['expert_ffn']}, forward + backward; the GB/s column holds "
-                     f"TFLOP/s and 'vs copy' the slot loop's time over each method's")
+                     f"F={preset['expert_ffn']}, forward + backward; 'vs copy' holds the slot "
+                     f"loop's time over each method's")
     if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
         notes.append("fresh CPU buffers pay first-touch page faults; THP_MEM_ALLOC_ENABLE=1 "
                      "(torch's huge-page allocations) removes most of that cost")
@@ -574,7 +584,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           format_markdown(COLUMNS, _cells(rows)), "",
           "GB/s: bytes a method must move (permute 2*N*D, unpermute (N+T)*D, copy 2*N*D elements) "
           "over its time. 'vs copy': GB/s over the plain copy's (fresh buffers against clone, "
-          "out= against copy_).", ""]
+          "out= against copy_). GFLOP/s (experts section): the three GEMMs of forward and "
+          "backward over the time; its 'vs copy' is the slot loop's time over each method's.",
+          ""]
     if share_rows:
         md += ["Shares realised (4 gloo ranks):", "",
                format_markdown(SHARE_COLUMNS, _share_cells(share_rows)), ""]

@@ -25,10 +25,31 @@ def _is_number(text: str) -> bool:
     return text.rstrip("x%").replace(".", "", 1).replace("-", "", 1).isdigit()
 
 
+def phase(prog: str, text: str, since: float) -> None:
+    """One progress line on stderr for a step of a long command: ``prog [12 s] text``;
+    ``since`` is the command's start (``time.time()``, so that spawned ranks can pass it on)."""
+    import sys
+    import time
+
+    print(f"{prog} [{time.time() - since:4.0f} s] {text}", file=sys.stderr, flush=True)
+
+
+def part_of(count: float, total: int) -> str:
+    """``4.5 of 80 (5.6%)``: a count (a median may end in .5) and its share, the same figure in
+    both."""
+    return f"{count:g} of {total} ({count / total:.1%})"
+
+
+def _numeric_column(cells: Sequence[Sequence[str]], i: int) -> bool:
+    """Column ``i`` holds numbers: every cell that is not blank is one (and one is not blank)."""
+    filled = [row[i] for row in cells if row[i]]
+    return bool(filled) and all(_is_number(x) for x in filled)
+
+
 def format_text(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """Plain-text table, numbers right-aligned."""
+    """Plain-text table, numbers right-aligned (blank cells allowed among them)."""
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    numeric = [bool(cells) and _is_number(cells[0][i]) for i in range(len(columns))]
+    numeric = [_numeric_column(cells, i) for i in range(len(columns))]
 
     def line(items: Sequence[str]) -> str:
         return "  ".join(x.rjust(w) if right else x.ljust(w)
@@ -39,7 +60,7 @@ def format_text(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
 
 def format_markdown(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
     head = "| " + " | ".join(columns) + " |"
-    rule = "|" + "|".join("---:" if _is_number(cells[0][i]) else "---"
+    rule = "|" + "|".join("---:" if _numeric_column(cells, i) else "---"
                           for i in range(len(columns))) + "|" if cells else ""
     return "\n".join([head, rule] + ["| " + " | ".join(r) + " |" for r in cells])
 

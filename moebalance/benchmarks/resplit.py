@@ -44,7 +44,7 @@ from ..cli_args import UsageError, positive_int_arg, run_subcommand
 from ..metrics import summary_imbalance
 from ..placement import Placement
 from ..planner import plan
-from .report import format_markdown, format_text, machine_info
+from .report import format_markdown, format_text, machine_info, phase
 
 DESCRIPTION = ("Per-step re-split benchmark: placement shares vs per-step re-split vs the per-step "
                "LP optimum over the same replicas, on the shipped router traces, homogeneous and "
@@ -286,7 +286,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"{sweeps} sweeps", flush=True)
     started = time.perf_counter()
     rows, models = [], {}
+    t0 = time.time()
     for name in names:
+        phase("moebalance bench resplit", f"trace {name}", t0)
         counts, meta = workloads.trace_loads(name)
         models[name] = meta.get("model", "model not recorded")
         rows += run_trace(name, counts, window, preset["windows"], sweeps)

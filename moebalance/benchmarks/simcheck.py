@@ -62,8 +62,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info, markdown_header
+from .report import format_markdown, format_text, machine_info, markdown_header, phase
 from .train import timed
+
+PROG = "moebalance bench simcheck"  # the prefix of its progress lines
 
 __all__ = ["pair_counts", "trace_topk_ids", "TraceRouter", "CoreShare", "calibration_cluster",
            "load_calibration", "main"]
@@ -459,6 +461,8 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
 
     share = CoreShare(cfg["share"]) if cfg["pace"] and cfg["share"] < 1 else None
     if calibration is None:
+        if rank == 0:
+            phase(PROG, "calibrating: expert GEMMs, all-to-all, the rest of a step", cfg["t0"])
         figures = _calibrate(rank, world, cfg, share)
         calibration = calibration_cluster(figures, cfg)
     if not cfg["measure"]:
@@ -467,6 +471,8 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
         return
     counts = trace_loads(TRACE)[0][:cfg["warmup"] + cfg["steps"]]
     cluster, model = Cluster.from_dict(calibration), ModelShape(**calibration["model"])
+    if rank == 0:
+        phase(PROG, "planning each policy's placements along the trace", cfg["t0"])
     box = [_schedules(cluster, model, counts, cfg) if rank == 0 else None]
     dist.broadcast_object_list(box, group_src=0)
     schedules = box[0]
@@ -483,6 +489,9 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     steps_s = [dict() for _ in schedules]
     migrations = [[] for _ in schedules]
     for block, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if rank == 0:
+            phase(PROG, f"training steps {begin}..{end - 1} under each of {len(schedules)} "
+                        f"policies (block {block + 1} of {len(bounds) - 1})", cfg["t0"])
         for i in np.roll(np.arange(len(schedules)), -block).tolist():
             trainer, schedule = trainers[i], schedules[i]
             for t in range(begin, end):
@@ -629,6 +638,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
              if cfg["measure"] else "calibration only")
           + (f"; calibration from {args.calibration}" if calibration is not None else ""), flush=True)
     started = time.perf_counter()
+    cfg["t0"] = time.time()
+    phase(PROG, f"spawning {cfg['ranks']} gloo ranks", cfg["t0"])
     with tempfile.TemporaryDirectory(prefix="moebalance-simcheck-") as tmp:
         path = os.path.join(tmp, "result.json")
         launch(_worker, cfg["ranks"], args=(cfg, calibration, path))
@@ -648,6 +659,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cluster, model = Cluster.from_dict(calibration), ModelShape(**calibration["model"])
     W, T = cfg["warmup"], cfg["warmup"] + cfg["steps"]
+    phase(PROG, "modelling the same steps with the calibrated cluster", cfg["t0"])
     counts = trace_loads(TRACE)[0][:T]
     sim = simulate(counts, cluster, model, _policies(cluster, model, cfg), warmup=W,
                    trace=f"{TRACE} steps 0..{T - 1}")

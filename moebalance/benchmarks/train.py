@@ -35,7 +35,9 @@ from typing import Sequence
 import numpy as np
 
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info, markdown_header
+from .report import format_markdown, format_text, machine_info, markdown_header, part_of, phase
+
+PROG = "moebalance bench train"  # the prefix of its progress lines
 
 DESCRIPTION = "What a live expert migration costs a training step (4 gloo ranks)."
 
@@ -133,8 +135,13 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         lm_loss(model(batch[:, :-1]), batch[:, 1:], tokens).backward()
         optimizer.step()
 
+    if rank == 0:
+        phase(PROG, f"{cfg['warmup']} warm-up steps", cfg["t0"])
     for _ in range(cfg["warmup"]):
         train_step()
+    if rank == 0:
+        phase(PROG, f"{cfg['trials']} live migrations, each after {cfg['base_steps']} steps "
+                    f"without one", cfg["t0"])
     # The migration connections are made once per job (the Rebalancer makes them when built).
     Migrator(None).transfer_group
     rng = np.random.default_rng(cfg["seed"] + 7)
@@ -157,6 +164,8 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         reports.append(migration.report())
         assert migration.error is None, migration.error
     # The same kind of migration with nothing beside it, for time per MB.
+    if rank == 0:
+        phase(PROG, f"{cfg['trials']} blocking migrations (time per MB)", cfg["t0"])
     blocking = []
     for _ in range(cfg["trials"]):
         new = moved_placement(mb.current_placement(model), cfg["move_fraction"], rng)
@@ -233,6 +242,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"D={args.hidden} F={args.ffn}, {args.slots} slots per rank, AdamW; "
           f"{cfg['trials']} migrations of >= {args.move_fraction:.0%} of the slots", flush=True)
     started = time.perf_counter()
+    cfg["t0"] = time.time()
+    phase(PROG, f"spawning {args.ranks} gloo ranks", cfg["t0"])
     with tempfile.TemporaryDirectory(prefix="moebalance-train-") as tmp:
         path = os.path.join(tmp, "result.json")
         launch(_worker, args.ranks, args=(cfg, path))
@@ -256,8 +267,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ["  start cost at the boundary (ms, median)", f"{statistics.median(result['start_s']) * 1e3:.1f}", ""],
         ["  steps until every layer committed", ",".join(map(str, result["steps_in_flight"])), ""],
         ["moves per re-plan (of all slots)",
-         f"{statistics.median(moves):.0f} of {result['slots_total']} "
-         f"({statistics.median(moves) / result['slots_total']:.1%})", ">= 5%"],
+         part_of(statistics.median(moves), result["slots_total"]), ">= 5%"],
         ["bytes moved per re-plan (MB, weights + Adam moments)", f"{statistics.median(mbytes):.2f}", ""],
         ["migration time per MB, blocking (ms/MB)", f"{statistics.median(per_mb) * 1e3:.2f}", ""],
         ["replica grad sync, bytes sent per rank per step (KB)",

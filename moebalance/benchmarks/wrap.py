@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_args import UsageError, positive_int_arg, run_subcommand
-from .report import format_markdown, format_text, machine_info, markdown_header
+from .report import format_markdown, format_text, machine_info, markdown_header, phase
+
+PROG = "moebalance bench wrap"  # the prefix of its progress lines
 
 DESCRIPTION = "A wrapped transformers MoE model's training step on gloo ranks, against one process."
 
@@ -148,6 +150,8 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         import transformers as tf
 
         # from_pretrained is the entry point that takes a distributed_config: save, then load.
+        if rank == 0:
+            phase(PROG, "wrapped model timed; now transformers' expert parallelism", cfg["t0"])
         box = [tempfile.mkdtemp(prefix="moebalance-hf-ep-") if rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0)
         if rank == 0:
@@ -199,7 +203,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"moebalance wrap benchmark: tiny {args.family} (16 experts, top-2, H={args.hidden}), "
           f"{tokens} tokens per step, {args.ranks} gloo ranks", flush=True)
     started = time.perf_counter()
+    cfg["t0"] = t0 = time.time()
+    phase(PROG, f"one process: {cfg['warmup'] + cfg['steps']} training steps of the plain model",
+          t0)
     single = _single(cfg, args.ranks)
+    phase(PROG, f"spawning {args.ranks} gloo ranks: the wrapped model, then transformers' own "
+                f"expert parallelism", t0)
     with tempfile.TemporaryDirectory(prefix="moebalance-wrap-") as tmp:
         path = os.path.join(tmp, "result.json")
         launch(_worker, args.ranks, args=(cfg, path))

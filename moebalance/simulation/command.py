@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -40,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{QUICK['steps']} steps, a re-plan every {QUICK['every']} (well "
                              f"under 30 s once the planner's kernels are compiled)")
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="NAME|FILE[,...]",
-                        help=f"cluster preset(s) or .json/.toml file(s), comma separated "
-                             f"(default {DEFAULT_CLUSTER}; presets: "
-                             f"{', '.join(CLUSTER_PRESETS)})")
+                        help=f"hardware cluster preset(s) (GPU kinds, nodes, links) or "
+                             f".json/.toml file(s), comma separated (default {DEFAULT_CLUSTER}; "
+                             f"presets: {', '.join(CLUSTER_PRESETS)}). Not the slot layouts "
+                             f"that 'moebalance plan --cluster' takes")
     parser.add_argument("--model", default="deepseek-v3", metavar="NAME|FILE",
                         help=f"model shape: {', '.join(MODELS)} or a .json/.toml file of "
                              f"ModelShape fields (default deepseek-v3)")
@@ -77,8 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _clusters(spec: str) -> list[Cluster]:
+    from .. import workloads
+
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        if item in workloads.CLUSTERS:
+            raise UsageError(f"--cluster {item!r} is a slot layout of 'moebalance plan' and "
+                             f"'bench' (no hardware described); simulate takes hardware presets: "
+                             f"{', '.join(CLUSTER_PRESETS)}, or a .json/.toml file")
         try:
             out.append(load_cluster(item) if item.endswith((".json", ".toml"))
                        else cluster_preset(item))
@@ -125,7 +133,42 @@ def _trace_for(args, cluster: Cluster, model, steps: int, warmup: int):
     except ValueError as err:
         raise UsageError(f"--trace {args.trace!r} ({counts.shape[1]} layers x {counts.shape[2]} "
                          f"experts) does not suit --model {model.name}: {err}") from None
+    top_k = _recorded_top_k(args.trace)
+    if top_k is not None and top_k <= shaped.num_experts:
+        shaped = replace(shaped, top_k=top_k)
+        what += f"; top-{top_k} as recorded"
+    else:
+        what += f"; top-{shaped.top_k} from --model {model.name} (the trace does not record it)"
     return counts, shaped, what
+
+
+def _recorded_top_k(trace: str) -> int | None:
+    """The router's top-k a shipped trace records in its meta, else None (trace files)."""
+    from ..workloads import trace_loads
+    from .traces import trace_names
+
+    if trace not in trace_names():
+        return None
+    meta = trace_loads(trace)[1]
+    k = meta.get("top_k", meta.get("config", {}).get("num_experts_per_tok"))
+    return int(k) if k else None
+
+
+def _check_replans(simulated: int, window: int, every: int) -> None:
+    """UsageError when ``simulated`` steps after ``window`` steps of history hold no re-plan."""
+    if replans_in(simulated, window, every) == 0:
+        raise UsageError(
+            f"the trace gives {simulated} steps after the {window} steps of history, too few "
+            f"for a re-plan every {every} steps (the first at step "
+            f"{(window // every + 1) * every}): every policy would keep its first placement. "
+            f"Lower --every (and --window), or give more --steps")
+
+
+def replans_in(steps: int, warmup: int, every: int) -> int:
+    """Re-plans a periodic policy makes over ``steps`` simulated steps after ``warmup`` steps of
+    history (at every step index t > warmup with t % every == 0, as policies.Periodic does)."""
+    first = (warmup // every + 1) * every
+    return len(range(first, warmup + steps, every))
 
 
 COLUMNS = ["policy", "tokens/s", "vs EPLB", "mean step (s)", "p99 step (s)", "imbalance",
@@ -220,11 +263,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         started = time.perf_counter()
         if args.trace == "generated":        # a model that does not fit fails before any work
             _step_model(cluster, base_model)
+            _check_replans(steps, window, every)
         counts, model, what = _trace_for(args, cluster, base_model, steps, window)
         step_model = _step_model(cluster, model)
         price = move_price(step_model, every, model.num_layers) if args.move_price else None
         policies = default_policies(every, window, price, args.max_moves)
         simulated = counts.shape[0] - window
+        _check_replans(simulated, window, every)
         if args.layer is not None and args.layer >= model.num_layers:
             raise UsageError(f"--layer {args.layer}: the model has {model.num_layers} layers "
                              f"(0..{model.num_layers - 1})")
