@@ -192,6 +192,13 @@ def straggler_replans_away_from_the_slow_rank():
     assert tracked["slow_rank_share_after"] < tracked["slow_rank_share_before"]
     assert fixed["slow_rank_share_after"] == fixed["slow_rank_share_before"]
     assert_close(tracked["losses"], fixed["losses"], rtol=1e-9, atol=1e-12)
+    # the re-split of every layer follows the adopted speeds, the same on every rank
+    adopted = tracked["history"][-1]["speeds"]
+    assert tracked["topology_speed"] == adopted
+    assert all(s == pytest.approx(adopted) for s in tracked["resplit_speeds"])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tracked["resplit_speeds"])
+    assert all(e == everyone[0] for e in everyone)
 
 
 CASES = [measure_agrees_on_every_rank, measure_error_raises_on_every_rank,
