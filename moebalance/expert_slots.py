@@ -34,7 +34,7 @@ from .placement import Placement
 from .replica_sync import GradientSync, HolderExchange
 
 __all__ = ["ExpertSlots", "GRAD_SYNC", "moe_layers", "current_placement", "apply_placement",
-           "reduce_replica_gradients", "clip_grad_norm_"]
+           "reduce_replica_gradients", "clip_grad_norm_", "set_device_speeds"]
 
 GRAD_SYNC = ("backward", "manual")
 
@@ -64,6 +64,11 @@ class ExpertSlots(nn.Module):
     placement = _read_only("placement")
     layer = _read_only("layer")
     local_experts = _read_only("local_experts")
+
+    # Times the expert computation when set (:class:`moebalance.speeds.ExpertTimer`, set by
+    # ``SpeedTracker.attach``): subclasses pass the rows their slots receive through
+    # ``begin`` and the slots' outputs through ``end``.
+    expert_timer = None
 
     @abstractmethod
     def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -276,6 +281,20 @@ def current_placement(module: nn.Module) -> Placement:
         phy2log[layer.layer] = p.phy2log[layer.layer]
         share[layer.layer] = p.share[layer.layer]
     return Placement(phy2log, share, base.slot_device, base.num_experts)
+
+
+def set_device_speeds(module: nn.Module, speeds) -> None:
+    """Make the per-step re-split of every expert-parallel layer of ``module`` use ``speeds``
+    ([G] relative speed of each rank, e.g. ``topology.speed``; None: equal speeds).
+
+    Call it on every rank of the group with the same speeds between the same two steps (as
+    :class:`moebalance.Rebalancer` does when it adopts measured speeds, from figures every rank
+    gathered alike): the re-split runs on every rank from the same counts and must agree on
+    where each pair goes. Layers built with ``resplit=False`` keep the placement's shares.
+    """
+    layers = _require_layers(module)
+    for dispatcher in {id(layer.dispatcher): layer.dispatcher for layer in layers}.values():
+        dispatcher.set_speeds(speeds)
 
 
 def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topology=None,

@@ -350,9 +350,6 @@ class ExpertParallelMoE(ExpertSlots):
                          group_params=list(self.router.parameters()) if self.sync_router else ())
         self.reset_parameters(seed)
 
-    # Times the expert computation when set (:class:`moebalance.speeds.ExpertTimer`).
-    expert_timer = None
-
     def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [("experts.gate_up", self.experts.gate_up), ("experts.down", self.experts.down)]
 

@@ -205,14 +205,16 @@ class SpeedTracker:
         self._local: list[tuple[float, float]] = []    # this rank's (work, seconds) per step
 
     def attach(self, model: torch.nn.Module) -> "SpeedTracker":
-        """Time the expert computation of every :class:`~moebalance.nn.ExpertParallelMoE` in
-        ``model``; returns self."""
-        from .nn import ExpertParallelMoE
+        """Time the expert computation of every expert-parallel layer in ``model``
+        (:class:`~moebalance.nn.ExpertParallelMoE`, and the layers ``mb.wrap`` builds);
+        returns self."""
+        from .expert_slots import moe_layers
 
-        layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        layers = moe_layers(model)
         if not layers:
-            raise ValueError(f"{type(model).__name__} holds no ExpertParallelMoE layer whose "
-                             f"experts a SpeedTracker can time")
+            raise ValueError(f"{type(model).__name__} holds no expert-parallel layer "
+                             f"(ExpertParallelMoE or one built by mb.wrap) whose experts a "
+                             f"SpeedTracker can time")
         for layer in layers:
             layer.expert_timer = self.timer
         return self
@@ -323,6 +325,26 @@ class SpeedTracker:
             if report.get("migration_s") is not None and report.get("moves"):
                 return float(report["migration_s"]) / report["moves"]
         return 0.0
+
+    def state_dict(self) -> dict:
+        """What a resumed job needs to continue: the step count, smoothed speeds, the slowest
+        rank's expert seconds, the last ``window`` relative speeds (the noise control reads
+        them) and the decisions. Timings not yet exchanged are rank-local and left out."""
+        return {"steps": self.steps,
+                "speed": None if self.speed is None else self.speed.tolist(),
+                "expert_s": self.expert_s,
+                "history": [h.tolist() for h in self.history[-self.window:]],
+                "decisions": [dict(d) for d in self.decisions]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s figures (the same on every rank)."""
+        self.steps = int(state["steps"])
+        speed = state.get("speed")
+        self.speed = None if speed is None else np.asarray(speed, dtype=np.float64)
+        self.expert_s = state.get("expert_s")
+        self.history = [np.asarray(h, dtype=np.float64) for h in state.get("history", [])]
+        self.decisions = [dict(d) for d in state.get("decisions", [])]
+        self._local = []
 
     def __repr__(self) -> str:
         speed = None if self.speed is None else np.round(self.relative(), 3).tolist()

@@ -192,6 +192,13 @@ def straggler_replans_away_from_the_slow_rank():
     assert tracked["slow_rank_share_after"] < tracked["slow_rank_share_before"]
     assert fixed["slow_rank_share_after"] == fixed["slow_rank_share_before"]
     assert_close(tracked["losses"], fixed["losses"], rtol=1e-9, atol=1e-12)
+    # the re-split of every layer follows the adopted speeds, the same on every rank
+    adopted = tracked["history"][-1]["speeds"]
+    assert tracked["topology_speed"] == adopted
+    assert all(s == pytest.approx(adopted) for s in tracked["resplit_speeds"])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tracked["resplit_speeds"])
+    assert all(e == everyone[0] for e in everyone)
 
 
 CASES = [measure_agrees_on_every_rank, measure_error_raises_on_every_rank,
@@ -207,3 +214,40 @@ def dist_results():
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_distributed(dist_results, case):
     dist_results.check(case)
+
+
+def test_set_device_speeds_reaches_every_dispatcher_and_rebuilds_its_tables():
+    from moebalance.expert_slots import set_device_speeds
+
+    moe = _layer()
+    x = torch.randn(10, 16)
+    before = moe(x)
+    state = moe.dispatcher._state(moe.placement, 0)
+    assert state.speeds == (1.0,)
+    set_device_speeds(torch.nn.Sequential(moe), [0.5])
+    assert moe.dispatcher.speeds == (0.5,)
+    assert moe.dispatcher._state(moe.placement, 0).speeds == (0.5,)   # rebuilt, not cached
+    assert_close(moe(x), before)                 # the re-split changes routing, never the math
+    with pytest.raises(ValueError, match="speeds must give a finite speed > 0 for each of the 1"):
+        set_device_speeds(moe, [1.0, 0.5])
+    with pytest.raises(ValueError, match="speeds must give"):
+        moe.dispatcher.set_speeds([0.0])
+
+
+def test_tracker_state_round_trip_continues_the_same_figures():
+    tracker = SpeedTracker(2, min_change=0.1, window=2)
+    figures = np.stack([np.ones((6, 2)), np.stack([np.ones(6), np.r_[1, 1, 2, 2, 2, 2]], -1)])
+    tracker.update(figures)
+    tracker.steps = 6
+    state = tracker.state_dict()
+    back = SpeedTracker(2, min_change=0.1, window=2)
+    back.load_state_dict(state)
+    assert back.steps == 6 and back.expert_s == tracker.expert_s
+    assert_close(back.speed, tracker.speed)
+    assert len(back.history) == 2 and back.moved([1.0, 1.0]) == tracker.moved([1.0, 1.0])
+    more = figures[:, -2:]
+    tracker.update(more)
+    back.update(more)
+    assert_close(back.speed, tracker.speed)
+    with pytest.raises(ValueError, match="no expert-parallel layer"):
+        SpeedTracker().attach(torch.nn.Linear(2, 2))

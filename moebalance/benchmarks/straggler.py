@@ -101,8 +101,10 @@ def straggler_run(cfg: dict, track: bool) -> dict:
             original topology.
 
     Returns (the same on every rank): ``step_s`` [steps], ``losses`` [steps], ``history`` (the
-    Rebalancer's re-plans), ``decisions`` (the tracker's), ``slow_rank_share_before`` and
-    ``_after`` (fraction of the tokens the slow rank's slots receive, first layer).
+    Rebalancer's re-plans), ``decisions`` (the tracker's), ``resplit_speeds`` (the speeds each
+    layer's re-split uses at the end), ``topology_speed`` (the topology's at the end),
+    ``slow_rank_share_before`` and ``_after`` (fraction of the tokens the slow rank's slots
+    receive, first layer).
     """
     import torch
     import torch.distributed as dist
@@ -153,6 +155,9 @@ def straggler_run(cfg: dict, track: bool) -> dict:
     return {"step_s": step_s, "losses": losses,
             "history": [] if rebalancer is None else rebalancer.history,
             "decisions": [] if rebalancer is None else rebalancer.speeds.decisions,
+            "resplit_speeds": [list(moe.dispatcher.speeds or ()) for moe in model.layers],
+            "topology_speed": (topology if rebalancer is None else rebalancer.topology)
+            .speed.tolist(),
             "slow_rank_share_before": before,
             "slow_rank_share_after": _slow_share(model, topology, slow_rank)}
 

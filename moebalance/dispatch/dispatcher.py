@@ -247,18 +247,36 @@ class Dispatcher:
         if not isinstance(resplit, bool):
             raise TypeError(f"resplit must be True or False, got {resplit!r}")
         self.resplit = resplit
-        if speeds is not None:
-            speeds = np.asarray(speeds, dtype=np.float64)
-            if speeds.shape != (self.world_size,) or not np.all(np.isfinite(speeds)) \
-                    or not np.all(speeds > 0):
-                raise ValueError(f"speeds must give a finite speed > 0 for each of the "
-                                 f"{self.world_size} ranks of the group (e.g. topology.speed), "
-                                 f"got {speeds.tolist()!r}; or pass None for equal speeds")
-            speeds = tuple(float(s) for s in speeds)
-        self.speeds = speeds
+        self.speeds = self._checked_speeds(speeds)
         self.debug = bool(debug)
         self._states: OrderedDict[int, _PlacementState] = OrderedDict()
         self._on_node: dict = {}
+
+    def _checked_speeds(self, speeds) -> tuple[float, ...] | None:
+        if speeds is None:
+            return None
+        speeds = np.asarray(speeds, dtype=np.float64)
+        if speeds.shape != (self.world_size,) or not np.all(np.isfinite(speeds)) \
+                or not np.all(speeds > 0):
+            raise ValueError(f"speeds must give a finite speed > 0 for each of the "
+                             f"{self.world_size} ranks of the group (e.g. topology.speed), "
+                             f"got {speeds.tolist()!r}; or pass None for equal speeds")
+        return tuple(float(s) for s in speeds)
+
+    def set_speeds(self, speeds) -> None:
+        """Re-split by ``speeds`` ([G] relative speed of each rank, e.g. a measured topology's
+        ``speed``; None: equal) from the next dispatch on.
+
+        Every rank of the group must call it with the same speeds before the same step (the
+        re-split is computed on every rank from the same counts; ranks with different speeds
+        would route the same pair to different replicas): use
+        :func:`moebalance.expert_slots.set_device_speeds`, which the Rebalancer calls when it
+        adopts measured speeds. Cached per-placement tables are rebuilt on next use.
+        """
+        speeds = self._checked_speeds(speeds)
+        if speeds != self.speeds:
+            self.speeds = speeds
+            self._states.clear()
 
     def __repr__(self) -> str:
         return (f"Dispatcher(rank={self.rank}, world_size={self.world_size}, "

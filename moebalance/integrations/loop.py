@@ -31,7 +31,7 @@ from torch import nn
 
 from ..metrics import summary_imbalance
 from ..migrate import MigrationError, Migrator
-from ..expert_slots import apply_placement, current_placement, moe_layers
+from ..expert_slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import plan
 from ..topology import Topology
 from ..tracker import LoadTracker, attach, attached_tracker
@@ -191,6 +191,9 @@ class Rebalancer:
             measured = self.speeds.check(self)
             if measured is not None:
                 self.topology, loads = measured
+                # Every rank reaches this at the same step with the same gathered speeds: the
+                # re-split follows them from the next step, on the old placement and the new.
+                set_device_speeds(self.model, self.topology.speed)
                 current = current_placement(self.model)
                 report = self._replan(loads, current,
                                       summary_imbalance(loads, current, self.topology))
@@ -297,8 +300,14 @@ class Rebalancer:
 
     def state_dict(self) -> dict:
         """Step counters and history (the placement itself lives in the model's state_dict)."""
-        return {"steps": self.steps, "last_replan": self._last_replan,
-                "history": [dict(r) for r in self.history], "tracker": self.tracker.state_dict()}
+        state = {"steps": self.steps, "last_replan": self._last_replan,
+                 "history": [dict(r) for r in self.history],
+                 "tracker": self.tracker.state_dict()}
+        if self.speeds is not None:
+            # the measured topology in force and the speed tracker's figures
+            state["speeds"] = self.speeds.state_dict()
+            state["topology"] = self.topology.to_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
@@ -306,6 +315,15 @@ class Rebalancer:
         self.history = [dict(r) for r in state.get("history", [])]
         if "tracker" in state:
             self.tracker.load_state_dict(state["tracker"])
+        if self.speeds is not None and "speeds" in state:
+            self.speeds.load_state_dict(state["speeds"])
+            topology = Topology.from_dict(state["topology"])
+            if topology.num_devices != self.topology.num_devices:
+                raise ValueError(f"state holds a topology of {topology.num_devices} devices but "
+                                 f"this job has {self.topology.num_devices}; load it into a "
+                                 f"Rebalancer of the same size")
+            self.topology = topology
+            set_device_speeds(self.model, topology.speed)
 
     def __repr__(self) -> str:
         return (f"Rebalancer(every={self.every}, threshold={self.threshold}, steps={self.steps}, "

@@ -117,9 +117,14 @@ class HFExpertSlots(ExpertSlots):
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
         recv_MH, handle = self.dispatcher.dispatch(x_TH, top_k_index, top_k_weights.to(x_TH.dtype),
                                                    self.placement, self.layer)
+        timer = self.expert_timer           # a SpeedTracker's, when one times this layer
+        if timer is not None:
+            recv_MH = timer.begin(recv_MH)
         # Every slot runs, on zero rows too, so every rank joins the backward exchanges.
         chunks = torch.split(recv_MH, list(handle.tokens_per_local_slot))
         y_MH = torch.cat([self._expert(s, rows) for s, rows in enumerate(chunks)])
+        if timer is not None:
+            y_MH = timer.end(y_MH)
         return self.dispatcher.combine(y_MH, handle).reshape(hidden_states.shape)
 
 

@@ -16,7 +16,15 @@ kind, and a cluster file may set its own.
 Files: :func:`load_cluster` reads JSON or TOML of the form written by :meth:`Cluster.to_dict`::
 
     {"name": "mine", "kinds": {"H100": {...GPUKind fields...}},       # optional: presets
-     "nodes": [{"kind": "H100", "devices": 8}, {"kind": "A100", "devices": 8}]}
+     "nodes": [{"kind": "H100", "devices": 8}, {"kind": "A100", "devices": 8}],
+     "speed_changes": [{"step": 300, "device": 5, "factor": 0.5}]}    # optional: stragglers
+
+**Speeds that change.** ``speed_changes`` lists (step, device, factor): from trace step ``step``
+on, device ``device`` runs at ``factor`` times its kind's throughput (0.5: a straggler at half
+speed; 1 restores it; a later change of the same device replaces an earlier one). The factor
+scales the whole device (its expert GEMMs and the rest of its layers); what the planner is told
+stays the nominal :meth:`Cluster.topology` unless a policy measures the speeds
+(:class:`~.policies.MoebalancePeriodic` with ``speeds=``).
 
 Legend: G devices, L MoE layers, E experts.
 """
@@ -227,6 +235,8 @@ class Cluster:
         name: short name. description: one line for people.
         kinds: [G] kind of each device. nodes: [G] node of each device (non-decreasing).
         catalogue: the :class:`GPUKind` of every name in ``kinds``.
+        speed_changes: (step, device, factor) triples, sorted by step: from ``step`` on,
+            ``device`` runs at ``factor`` times its kind's throughput (see the module docstring).
     """
 
     name: str
@@ -234,11 +244,18 @@ class Cluster:
     kinds: tuple[str, ...]
     nodes: tuple[int, ...]
     catalogue: dict
+    speed_changes: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.kinds or len(self.kinds) != len(self.nodes):
             raise ValueError(f"cluster {self.name!r}: needs one kind and one node per device, got "
                              f"{len(self.kinds)} kinds and {len(self.nodes)} nodes")
+        changes = []
+        for n, change in enumerate(self.speed_changes):
+            changes.append(_speed_change(change, len(self.kinds), f"cluster {self.name!r}: "
+                                         f"speed_changes[{n}]"))
+        # stable: changes of one step keep their order (the later one wins)
+        object.__setattr__(self, "speed_changes", tuple(sorted(changes, key=lambda c: c[0])))
         missing = sorted(set(self.kinds) - set(self.catalogue))
         if missing:
             raise ValueError(f"cluster {self.name!r}: unknown device kind(s) {missing}; use one of "
@@ -247,6 +264,18 @@ class Cluster:
     @property
     def num_devices(self) -> int:
         return len(self.kinds)
+
+    def with_speed_changes(self, changes) -> "Cluster":
+        """This cluster with ``changes`` ((step, device, factor) triples) added to its own."""
+        return replace(self, speed_changes=self.speed_changes + tuple(tuple(c) for c in changes))
+
+    def speed_factors(self, num_steps: int) -> np.ndarray:
+        """[T, G] float64: every device's throughput over its kind's at each of ``num_steps``
+        steps (1 where no change applies)."""
+        factors = np.ones((int(num_steps), self.num_devices))
+        for step, device, factor in self.speed_changes:
+            factors[step:, device] = factor
+        return factors
 
     def kind_array(self, attribute: str) -> np.ndarray:
         """[G] float64: ``attribute`` of every device's kind (e.g. "expert_flops")."""
@@ -286,7 +315,11 @@ class Cluster:
             for kind in dict.fromkeys(members):
                 nodes.append({"kind": kind, "devices": members.count(kind)})
         used = {k: asdict(self.catalogue[k]) for k in dict.fromkeys(self.kinds)}
-        return {"name": self.name, "description": self.description, "kinds": used, "nodes": nodes}
+        out = {"name": self.name, "description": self.description, "kinds": used, "nodes": nodes}
+        if self.speed_changes:
+            out["speed_changes"] = [{"step": s, "device": d, "factor": f}
+                                    for s, d, f in self.speed_changes]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "cluster") -> "Cluster":
@@ -318,8 +351,40 @@ class Cluster:
                                  f"N >= 1}}, got {entry!r}")
             kinds += [entry["kind"]] * count
             nodes += [n] * count
+        changes = data.get("speed_changes") or []
+        if not isinstance(changes, list):
+            raise ValueError(f"cluster {name!r}: speed_changes must be a list of {{'step': S, "
+                             f"'device': G, 'factor': F}} entries, got {changes!r}")
+        triples = []
+        for n, entry in enumerate(changes):
+            if isinstance(entry, dict):
+                unknown = set(entry) - {"step", "device", "factor"}
+                if unknown or len(entry) != 3:
+                    raise ValueError(f"cluster {name!r}: speed_changes[{n}] must have exactly the "
+                                     f"keys step, device and factor, got {sorted(entry)}")
+                entry = (entry["step"], entry["device"], entry["factor"])
+            triples.append(entry)
         return cls(name=str(data.get("name", name)), description=str(data.get("description", "")),
-                   kinds=tuple(kinds), nodes=tuple(nodes), catalogue=catalogue)
+                   kinds=tuple(kinds), nodes=tuple(nodes), catalogue=catalogue,
+                   speed_changes=tuple(triples))
+
+
+def _speed_change(change, num_devices: int, where: str) -> tuple[int, int, float]:
+    """``change`` checked as (step >= 0, device in [0, G), finite factor > 0)."""
+    if not isinstance(change, (tuple, list)) or len(change) != 3:
+        raise ValueError(f"{where} must be (step, device, factor), got {change!r}")
+    step, device, factor = change
+    for value, what in ((step, "step"), (device, "device")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{where}: {what} must be an integer >= 0, got {value!r}")
+    if device >= num_devices:
+        raise ValueError(f"{where}: device {device} is not in the cluster's {num_devices} "
+                         f"devices (0..{num_devices - 1})")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.floating)) \
+            or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"{where}: factor must be a finite number > 0 (the device's throughput "
+                         f"over its kind's, e.g. 0.5), got {factor!r}")
+    return int(step), int(device), float(factor)
 
 
 def _build(name: str, description: str, layout: list[tuple[str, int]], per_node: int = 8) -> Cluster:

@@ -3,6 +3,7 @@
     moebalance simulate [--quick] [--cluster NAME|FILE[,...]] [--model NAME|FILE]
                         [--trace generated|mixtral|qwen3_moe|FILE] [--steps N] [--every N]
                         [--window N] [--max-moves N | --no-move-price] [--out DIR]
+                        [--straggler STEP:DEVICE:FACTOR ...] [--speed-every N]
 
 For every cluster: a trace (generated at the model's shape and the cluster's batch, or a recorded
 one), the five policies of :func:`~.policies.default_policies`, and per policy the modelled
@@ -10,6 +11,11 @@ tokens per second, mean and p99 step time, mean imbalance, moves and bytes per r
 plan and the mean of every step-time term. Writes ``results.json``, ``summary.md`` and plots
 (imbalance over steps, step time over steps and its terms, per-device load of one layer) under
 ``--out``.
+
+A cluster whose device speeds change (``--straggler``, or ``speed_changes`` in a cluster file)
+gets a sixth row: moebalance with the re-split and speed tracking (a
+:class:`moebalance.SpeedTracker` exchanging speeds every ``--speed-every`` steps); the other
+policies keep planning for the nominal speeds.
 """
 
 from __future__ import annotations
@@ -72,13 +78,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument("--layer", type=nonneg_int_arg, metavar="N",
                         help="layer of the per-device load plot (default: the most skewed)")
+    parser.add_argument("--straggler", action="append", default=[], type=_straggler_arg,
+                        metavar="STEP:DEVICE:FACTOR",
+                        help="from trace step STEP on (the history window counts: the first "
+                             "simulated step is --window), device DEVICE runs at FACTOR of its "
+                             "throughput (e.g. 150:3:0.5); repeatable, applied to every cluster")
+    parser.add_argument("--speed-every", type=positive_int_arg, default=10, metavar="N",
+                        help="steps between the speed-tracking row's speed exchanges "
+                             "(default 10)")
     parser.add_argument("--no-plots", action="store_true", help="skip the plots")
     parser.add_argument("--out", default=os.path.join("bench-out", "simulate"), metavar="DIR",
                         help="folder for results.json, summary.md and plots "
                              "(default ./bench-out/simulate)")
 
 
-def _clusters(spec: str) -> list[Cluster]:
+def _straggler_arg(text: str) -> tuple[int, int, float]:
+    parts = text.split(":")
+    try:
+        step, device, factor = int(parts[0]), int(parts[1]), float(parts[2])
+        if len(parts) != 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected STEP:DEVICE:FACTOR (e.g. 150:3:0.5), got "
+                                         f"{text!r}") from None
+    return step, device, factor
+
+
+def _clusters(spec: str, stragglers=()) -> list[Cluster]:
     from .. import workloads
 
     out = []
@@ -88,10 +114,14 @@ def _clusters(spec: str) -> list[Cluster]:
                              f"'bench' (no hardware described); simulate takes hardware presets: "
                              f"{', '.join(CLUSTER_PRESETS)}, or a .json/.toml file")
         try:
-            out.append(load_cluster(item) if item.endswith((".json", ".toml"))
+            cluster = (load_cluster(item) if item.endswith((".json", ".toml"))
                        else cluster_preset(item))
         except ValueError as err:
             raise UsageError(f"--cluster: {err}") from None
+        try:
+            out.append(cluster.with_speed_changes(stragglers) if stragglers else cluster)
+        except ValueError as err:
+            raise UsageError(f"--straggler: {err}") from None
     if not out:
         raise UsageError("--cluster needs at least one preset name or file")
     return out
@@ -248,7 +278,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except OSError as exc:
         raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable "
                          f"folder") from None
-    clusters = _clusters(args.cluster)
+    clusters = _clusters(args.cluster, args.straggler)
     try:
         base_model = load_model(args.model)
     except ValueError as err:
@@ -267,12 +297,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         counts, model, what = _trace_for(args, cluster, base_model, steps, window)
         step_model = _step_model(cluster, model)
         price = move_price(step_model, every, model.num_layers) if args.move_price else None
-        policies = default_policies(every, window, price, args.max_moves)
+        speeds = None
+        if cluster.speed_changes:
+            from ..speeds import SpeedTracker
+
+            # a 5% move of some device's relative speed re-plans: steady speeds never do
+            speeds = SpeedTracker(args.speed_every, min_change=0.05)
+        policies = default_policies(every, window, price, args.max_moves, speeds)
         simulated = counts.shape[0] - window
         _check_replans(simulated, window, every)
         if args.layer is not None and args.layer >= model.num_layers:
             raise UsageError(f"--layer {args.layer}: the model has {model.num_layers} layers "
                              f"(0..{model.num_layers - 1})")
+        late = [c for c in cluster.speed_changes if c[0] >= counts.shape[0]]
+        if late:
+            raise UsageError(f"--straggler/speed_changes: step(s) {[c[0] for c in late]} fall "
+                             f"after the trace's last step {counts.shape[0] - 1}")
         with tqdm(total=simulated * len(policies), desc=cluster.name, unit="step",
                   leave=False) as bar:
             sim = simulate(counts, cluster, model, policies, warmup=window,
@@ -284,7 +324,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 f"{model.num_experts}, top-{model.top_k}), {topology.num_slots} slots "
                 f"({', '.join(sorted({str(s) for s in topology.slots}))} per device); trace "
                 f"{what}; {simulated} steps, re-plan every {every} from {window} steps; "
-                f"{elapsed:.1f} s")
+                + "".join(f"device {d} at {f:g}x from step {t}; "
+                          for t, d, f in cluster.speed_changes)
+                + f"{elapsed:.1f} s")
         print(head)
         print(format_text(COLUMNS, _cells(summaries)))
         print()

@@ -18,7 +18,14 @@ policy's ``migration`` mode (see :mod:`.stepmodel`).
   under a move budget (``max_moves``) or a move price (:class:`~moebalance.planner.MoveCost`:
   the step time a move saves until the next re-plan against its transfer time); migrations are
   live. With ``resplit=True`` each step's tokens are also re-split over the replicas (the
-  dispatcher's per-step re-split).
+  dispatcher's per-step re-split). With ``speeds=SpeedTracker(...)`` it also follows the
+  devices' speeds as :class:`moebalance.SpeedTracker` does in training: the speeds the devices
+  ran at in past steps are folded into the tracker every ``speeds.every`` steps (one work unit
+  in ``1 / speed`` seconds a step, smoothed), and when they have moved (``SpeedTracker.moved``:
+  ``min_change``, ``window``) the policy adopts the measured topology and re-plans at once; its
+  plans and its re-split then use the measured speeds. The planner's move price (``move_cost``)
+  stands in for the tracker's saving-against-price test. Without it, a policy plans for the
+  nominal speeds throughout (what EPLB and a fixed topology do).
 * :class:`Oracle`: the bound. It knows each step's loads and spreads them over the devices in
   proportion to their speed (what no placement with integer replicas beats), with no migration.
 
@@ -34,7 +41,7 @@ import numpy as np
 
 from ..placement import Placement
 from ..planner import MoveCost, plan
-from ..topology import Topology
+from ..topology import Device, Topology
 
 __all__ = ["Policy", "StaticUniform", "EPLBPeriodic", "MoebalancePeriodic", "Oracle",
            "default_policies"]
@@ -58,9 +65,14 @@ class Policy(ABC):
     def __init__(self) -> None:
         self.plan_seconds: list[float] = []
 
-    def bind(self, topology: Topology) -> "Policy":
-        """Use ``topology``; returns self."""
-        self.topology = topology
+    def bind(self, topology: Topology, speed_TG: np.ndarray | None = None) -> "Policy":
+        """Use ``topology`` (the nominal speeds); ``speed_TG`` [T, G]: the relative speed each
+        device runs at in every step of the trace (None: the topology's throughout), for
+        policies that measure speeds (read only for steps already run). Returns self."""
+        self.topology = self.nominal = topology
+        if speed_TG is None:
+            speed_TG = np.broadcast_to(topology.speed, (0, topology.num_devices))
+        self.speed_TG = np.asarray(speed_TG, dtype=np.float64)
         self.plan_seconds = []
         return self
 
@@ -138,15 +150,56 @@ class MoebalancePeriodic(_Periodic):
     """
 
     def __init__(self, every: int, window: int | None = None, *, max_moves: int | None = None,
-                 move_cost: MoveCost | None = None, resplit: bool = False) -> None:
+                 move_cost: MoveCost | None = None, resplit: bool = False,
+                 speeds=None) -> None:
+        from ..speeds import SpeedTracker
+
         super().__init__(every, window)
         if max_moves is not None and (isinstance(max_moves, bool) or int(max_moves) != max_moves
                                       or max_moves < 0):
             raise ValueError(f"max_moves must be an integer >= 0 or None, got {max_moves!r}")
+        if speeds is not None and not isinstance(speeds, SpeedTracker):
+            raise TypeError(f"speeds must be a moebalance.SpeedTracker (its every, smoothing, "
+                            f"min_change and window are used) or None, got "
+                            f"{type(speeds).__name__}")
         self.max_moves, self.move_cost, self.resplit = max_moves, move_cost, bool(resplit)
+        self.speeds = speeds
         limit = (f", <= {max_moves} moves" if max_moves is not None
                  else ", priced moves" if move_cost is not None else "")
-        self.name = f"moebalance every {self.every}{limit}" + (" + re-split" if resplit else "")
+        self.name = (f"moebalance every {self.every}{limit}" + (" + re-split" if resplit else "")
+                     + (" + speed tracking" if speeds is not None else ""))
+
+    def bind(self, topology, speed_TG=None):
+        from ..speeds import SpeedTracker
+
+        super().bind(topology, speed_TG)
+        if self.speeds is not None:      # a fresh tracker per run, with the given settings
+            s = self.speeds
+            self.tracker = SpeedTracker(s.every, smoothing=s.smoothing, min_change=s.min_change,
+                                        window=s.window, horizon=s.horizon)
+            self._measured_to = 0        # steps folded into the tracker so far
+        return self
+
+    def step(self, t, history_TLE, current):
+        if self.speeds is not None and t % self.tracker.every == 0 and self._track(t):
+            return self._timed(lambda: self._plan(self._recent(history_TLE), current))
+        return super().step(t, history_TLE, current)
+
+    def _track(self, t: int) -> bool:
+        """Fold the speeds of steps before ``t`` into the tracker; adopt the measured topology
+        when they moved (True: re-plan now)."""
+        ran_GT = self.speed_TG[self._measured_to:t].T
+        self._measured_to = max(self._measured_to, t)
+        if ran_GT.shape[1] == 0:
+            return False
+        figures_GT2 = np.stack([np.ones_like(ran_GT), 1.0 / ran_GT], axis=-1)
+        self.tracker.update(figures_GT2)
+        if not self.tracker.moved(self.topology.speed):
+            return False
+        self.topology = Topology([Device(speed=float(s), slots=d.slots, node=d.node)
+                                  for s, d in zip(self.tracker.relative(),
+                                                  self.nominal.devices)])
+        return True
 
     def _plan(self, recent_TLE, current):
         loads = recent_TLE.mean(axis=0)
@@ -166,11 +219,16 @@ class Oracle(Policy):
 
 
 def default_policies(every: int, window: int | None, move_cost: MoveCost | None,
-                     max_moves: int | None = None) -> list[Policy]:
+                     max_moves: int | None = None, speeds=None) -> list[Policy]:
     """The five rows of ``moebalance simulate``: static, EPLB periodic, moebalance periodic with
-    and without the per-step re-split, and the oracle."""
+    and without the per-step re-split, and the oracle; with ``speeds`` (a
+    :class:`moebalance.SpeedTracker`, for clusters whose speeds change) a sixth before the
+    oracle: moebalance periodic with the re-split and speed tracking."""
+    tracked = [] if speeds is None else [
+        MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
+                           resplit=True, speeds=speeds)]
     return [StaticUniform(), EPLBPeriodic(every, window),
             MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost),
             MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
                                resplit=True),
-            Oracle()]
+            *tracked, Oracle()]

@@ -5,8 +5,9 @@ per step, gives each policy the first ``warmup`` steps as history, then walks th
 steps. Between re-plans a policy's placement is fixed, so the device loads of such a stretch
 are computed at once: each expert's tokens times its replicas' shares summed per device, or,
 with the per-step re-split, water filling of every step's tokens over the replicas
-(:func:`moebalance.planner.algorithm.resplit_device_loads`, the dispatcher's re-split). The
-:class:`~.stepmodel.StepModel` turns loads into seconds.
+(:func:`moebalance.planner.algorithm.resplit_device_loads`, the dispatcher's re-split, with the
+speeds the policy believes). The :class:`~.stepmodel.StepModel` turns loads into seconds at the
+speeds the devices run at (the cluster's ``speed_changes`` applied step by step).
 
 Legend: T steps, L layers, E experts, G devices, S slots.
 """
@@ -136,10 +137,12 @@ def _resplit_loads(w_BLE: np.ndarray, placement: Placement, topology: Topology) 
 
 
 def _device_loads(policy: Policy, w_BLE: np.ndarray, placement: Placement | None,
-                  topology: Topology) -> np.ndarray:
+                  topology: Topology, speed_BG: np.ndarray) -> np.ndarray:
+    """[B, L, G] loads of steps ``w_BLE`` under ``placement``; ``topology`` is what the policy
+    believes (its re-split's speeds), ``speed_BG`` what the devices run at (the oracle's)."""
     if policy.oracle:
-        speed = topology.speed
-        return w_BLE.sum(axis=-1, keepdims=True) * (speed / speed.sum())
+        share_BG = speed_BG / speed_BG.sum(axis=-1, keepdims=True)
+        return w_BLE.sum(axis=-1, keepdims=True) * share_BG[:, None, :]
     if policy.resplit:
         return _resplit_loads(w_BLE, placement, topology)
     return _static_loads(w_BLE, placement, topology.num_devices)
@@ -167,16 +170,21 @@ def simulate(counts_TLE: np.ndarray, cluster: Cluster, model: ModelShape,
                          f"model.with_trace_shape({L}, {E}) or a trace of the model's shape")
     if not 1 <= warmup < T:
         raise ValueError(f"warmup must be in [1, {T - 1}] for a trace of {T} steps, got {warmup!r}")
+    late = [c for c in cluster.speed_changes if c[0] >= T]
+    if late:
+        raise ValueError(f"speed change(s) {late} (step, device, factor) fall after the trace's "
+                         f"last step {T - 1}: give steps in [0, {T - 1}] or a longer trace")
     w = scale_trace(counts_TLE, model, cluster.num_devices)
     topology = cluster.topology(model)
     step_model = StepModel(cluster, model, topology)
+    factors_TG = cluster.speed_factors(T)
     if shown_layer is None:
         mean = w[warmup:].mean(axis=0)
         shown_layer = int((mean.max(axis=1) / np.maximum(mean.mean(axis=1), 1e-300)).argmax())
     runs = []
     for policy in policies:
-        runs.append(_run_policy(policy.bind(topology), w, warmup, step_model, shown_layer,
-                                progress))
+        runs.append(_run_policy(policy.bind(topology, topology.speed * factors_TG), w, warmup,
+                                step_model, factors_TG, shown_layer, progress))
     return Simulation(cluster=cluster, model=model, topology=topology, runs=runs,
                       first_step=warmup, shown_layer=shown_layer, trace=trace)
 
@@ -186,20 +194,23 @@ CHUNK_STEPS = 64
 
 
 def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: StepModel,
-                shown_layer: int, progress) -> PolicyRun:
+                factors_TG: np.ndarray, shown_layer: int, progress) -> PolicyRun:
     T, L, _ = w_TLE.shape
     topology = step_model.topology
+    speed_TG = topology.speed * factors_TG
     current = policy.start(w_TLE[:warmup])
     start_plan = sum(policy.plan_seconds)
     # The steps at which the placement changes come first: loads then go stretch by stretch.
+    # A policy that measures speeds may change its topology with a placement: kept beside it.
     changes: list[tuple[int, Placement, Placement | None, float]] = []
-    placements = {warmup: current}
+    placements = {warmup: (current, policy.topology)}
     for t in range(warmup + 1, T):
         planned = len(policy.plan_seconds)
         new = policy.step(t, w_TLE[:t], current)
         if new is not None:
             changes.append((t, new, current, sum(policy.plan_seconds[planned:])))
-            placements[t] = current = new
+            current = new
+            placements[t] = (current, policy.topology)
     n = T - warmup
     layer_terms = {k: np.empty((n, L)) for k in ("expert_compute", "all_to_all", "non_moe")}
     imbalance = np.empty(n)
@@ -208,10 +219,11 @@ def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: Step
     for begin, end in zip(bounds[:-1], bounds[1:]):
         for lo in range(begin, end, CHUNK_STEPS):
             hi = min(lo + CHUNK_STEPS, end)
-            loads = _device_loads(policy, w_TLE[lo:hi], placements[begin], topology)
-            for k, v in step_model.layer_terms(loads).items():
+            placement, believed = placements[begin]
+            loads = _device_loads(policy, w_TLE[lo:hi], placement, believed, speed_TG[lo:hi])
+            for k, v in step_model.layer_terms(loads, factors_TG[lo:hi]).items():
                 layer_terms[k][lo - warmup:hi - warmup] = v
-            imbalance[lo - warmup:hi - warmup] = step_model.imbalance(loads)
+            imbalance[lo - warmup:hi - warmup] = step_model.imbalance(loads, factors_TG[lo:hi])
             shown += loads[:, shown_layer].sum(axis=0)
         if progress is not None:
             progress(end - begin)

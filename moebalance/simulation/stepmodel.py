@@ -16,6 +16,10 @@ spread over the replicas as their loads), ``m_g`` devices on g's node and ``N_g`
 
 Step time ``= sum_l (compute + all-to-all + rest) + exposed migration``.
 
+**Speeds that change.** With a cluster's ``speed_changes`` (a straggler), ``expert_flops_g`` of
+a step is the kind's figure times the device's factor at that step (``factors_TG`` below), in
+the compute term and in the rest of the layer alike; the links keep their figures.
+
 **Pipeline stages.** A device holds the experts of ``layers_per_device`` consecutive layers (one
 pipeline stage); every stage is an expert-parallel group like the cluster described. The step
 model adds the stages' layer times (no pipeline overlap: the same for every policy, so ratios
@@ -70,9 +74,26 @@ class StepModel:
 
     # -- per layer and step -----------------------------------------------------------------------
 
-    def compute_seconds(self, loads_TLG: np.ndarray) -> np.ndarray:
-        """[T, L] slowest device's expert compute."""
-        return (loads_TLG * (self.model.flops_per_pair / self.flops_G)).max(axis=-1)
+    def _flops(self, factors_TG: np.ndarray | None) -> np.ndarray:
+        """[T, 1, G] (or [G] without factors): expert FLOP/s of every device at every step."""
+        if factors_TG is None:
+            return self.flops_G
+        return (self.flops_G * np.asarray(factors_TG, dtype=np.float64))[:, None, :]
+
+    def compute_seconds(self, loads_TLG: np.ndarray, factors_TG: np.ndarray | None = None
+                        ) -> np.ndarray:
+        """[T, L] slowest device's expert compute; ``factors_TG`` [T, G]: each device's
+        throughput over its kind's at each step (None: 1)."""
+        return (loads_TLG * (self.model.flops_per_pair / self._flops(factors_TG))).max(axis=-1)
+
+    def non_moe_seconds(self, shape_TL: tuple[int, int], factors_TG: np.ndarray | None = None
+                        ) -> np.ndarray:
+        """[T, L] the rest of every layer: waits for the slowest device of the step."""
+        if factors_TG is None:
+            return np.full(shape_TL, self.non_moe)
+        slowest_T = (self.flops_G * np.asarray(factors_TG, dtype=np.float64)).min(axis=-1)
+        rest_T = self.model.non_moe_flops_per_token * self.model.tokens_per_device / slowest_T
+        return np.broadcast_to(rest_T[:, None], shape_TL).copy()
 
     def all_to_all_seconds(self, loads_TLG: np.ndarray) -> np.ndarray:
         """[T, L] the four exchanges of each layer, set by the slowest device."""
@@ -88,11 +109,15 @@ class StepModel:
                    / self.inter_bw_G + self.latency_G)
         return EXCHANGES * seconds.max(axis=-1)
 
-    def imbalance(self, loads_TLG: np.ndarray) -> np.ndarray:
-        """[T] summary imbalance of each step, ``sum_l max_g load/speed / sum_l ideal``."""
+    def imbalance(self, loads_TLG: np.ndarray, factors_TG: np.ndarray | None = None
+                  ) -> np.ndarray:
+        """[T] summary imbalance of each step, ``sum_l max_g load/speed / sum_l ideal``, with
+        the speeds the devices run at (the topology's times ``factors_TG`` [T, G])."""
         speed = self.topology.speed
+        if factors_TG is not None:
+            speed = (speed * np.asarray(factors_TG, dtype=np.float64))[:, None, :]
         hottest = (loads_TLG / speed).max(axis=-1).sum(axis=-1)
-        ideal = loads_TLG.sum(axis=-1).sum(axis=-1) / speed.sum()
+        ideal = (loads_TLG.sum(axis=-1) / speed.sum(axis=-1)).sum(axis=-1)
         return hottest / np.maximum(ideal, 1e-300)
 
     # -- migrations -------------------------------------------------------------------------------
@@ -136,11 +161,13 @@ class StepModel:
             seconds[s] = np.maximum(bytes_in / per_link, bytes_out / per_link).sum(axis=0).max()
         return seconds, float(moves * size), int(moves)
 
-    def layer_terms(self, loads_TLG: np.ndarray) -> dict[str, np.ndarray]:
-        """Per step and layer [T, L]: ``expert_compute``, ``all_to_all`` and ``non_moe``."""
-        compute = self.compute_seconds(loads_TLG)
+    def layer_terms(self, loads_TLG: np.ndarray, factors_TG: np.ndarray | None = None
+                    ) -> dict[str, np.ndarray]:
+        """Per step and layer [T, L]: ``expert_compute``, ``all_to_all`` and ``non_moe``
+        (``factors_TG`` [T, G]: device throughput over its kind's per step, None: 1)."""
+        compute = self.compute_seconds(loads_TLG, factors_TG)
         return {"expert_compute": compute, "all_to_all": self.all_to_all_seconds(loads_TLG),
-                "non_moe": np.full_like(compute, self.non_moe)}
+                "non_moe": self.non_moe_seconds(compute.shape, factors_TG)}
 
     def exposed_migration(self, stage_seconds: np.ndarray, terms_L: dict[str, np.ndarray],
                           mode: str) -> float:
