@@ -261,7 +261,7 @@ def test_plan_says_it_loaded_numba_kernels_from_the_cache(loads_file, tmp_path):
     lines = []
     for _ in range(2):  # the first run fills Numba's cache if nothing did before
         proc = subprocess.run([sys.executable, "-m", "moebalance", "plan", str(path), "--devices",
-                               "4", "--slots", "5", "--out", str(tmp_path / "p.npz")],
+                               "4", "--slots", "5", "--out", str(tmp_path / "p.npz"), "--force"],
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines.append(proc.stdout.splitlines()[0])
