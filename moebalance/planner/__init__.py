@@ -129,13 +129,20 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         ``validate()`` to check); the same inputs give the same placement in any process.
     """
     counts = None
-    if getattr(loads, "ndim", 0) == 3:
+    ndim = loads.ndim if hasattr(loads, "ndim") else np.ndim(loads)
+    if ndim > 3:
+        raise ValueError(f"loads must have shape [num_layers, num_experts] (or [num_experts], or "
+                         f"[steps, num_layers, num_experts] for a window of per-step counts), "
+                         f"got {ndim} dimensions")
+    if ndim == 3:
         if spread is not None:
             raise ValueError("loads is already the per-step counts [T, L, E]; drop spread=, or "
                              "pass the mean [L, E] as loads with spread=")
-        spread = to_numpy(loads, "loads")
-        if spread.shape[0] < 1:
-            raise ValueError(f"loads [T, L, E] needs at least one step, got shape {spread.shape}")
+        arr = to_numpy(loads, "loads")
+        if min(arr.shape) < 1:
+            raise ValueError(f"loads [steps, num_layers, num_experts] needs at least one step, "
+                             f"layer and expert, got shape {arr.shape}")
+        spread = as_loads(arr.reshape(-1, arr.shape[2]), "loads").reshape(arr.shape)
         loads = spread.mean(axis=0)
     w = planning_loads(loads, topology)
     L, E = w.shape

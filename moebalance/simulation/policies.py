@@ -151,6 +151,8 @@ class MoebalancePeriodic(_Periodic):
 
     def _plan(self, recent_TLE, current):
         # the Rebalancer's call: the window's per-step counts, planned for the steps
+        if current is None:
+            return plan(recent_TLE, self.topology)
         return plan(recent_TLE, self.topology, previous=current, max_moves=self.max_moves,
                     move_cost=self.move_cost)
 
