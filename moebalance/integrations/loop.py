@@ -8,10 +8,11 @@ Every step, after ``optimizer.step()``::
         rebalancer.step()
 
 At a trigger (every ``every`` steps, and/or when the tracked imbalance of the current placement
-passes ``threshold``, and/or when a re-plan's moves pay for themselves under ``move_cost``) it takes a snapshot of the tracked loads (one all-reduce), plans
-``plan(loads, topology, previous=current, max_moves=...)`` on every rank (deterministic from the
-reduced loads; a digest check proves the ranks agree) and starts the migration. The layers
-commit their new rows before their next forward, so training never stops for it.
+passes ``threshold``, and/or when a re-plan's moves pay for themselves under ``move_cost``) it
+takes a snapshot of the tracked loads (one all-reduce), plans ``plan(loads, topology,
+previous=current, max_moves=...)`` on every rank (deterministic from the reduced loads; a
+digest check proves the ranks agree) and starts the migration. The layers commit their new
+rows before their next forward, so training never stops for it.
 
 Figures go to the ``moebalance`` logger (INFO) and to ``rebalancer.history``: one dict per
 re-plan with the step, imbalance before and after (on the snapshot's loads), moves, bytes,
