@@ -2,6 +2,10 @@
 
 The algorithm lives in :mod:`moebalance.planner.algorithm` (plain Python, the reference) and
 runs compiled by Numba when it is available (:func:`moebalance.backends`, part ``planner``).
+Given a window of per-step counts ``[T, L, E]``, ``plan`` plans for the steps after the
+per-step re-split (:mod:`moebalance.planner.steps`, whose docstring gives the rule: volatile
+and large experts liquid on one ring of devices, so a step's excess can flow; the small calm
+ones alone); :mod:`moebalance.planner.trigger` says when a re-plan's moves pay.
 """
 
 from __future__ import annotations
