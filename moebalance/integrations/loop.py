@@ -68,7 +68,8 @@ class Rebalancer:
         topology: the devices (one per rank of the group), with speeds and slots.
         optimizer: the optimizer of the experts (its state moves with the rows); None for
             weights only.
-        every: re-plan every this many steps (None: only when ``threshold`` triggers).
+        every: re-plan every this many steps (None: only when ``threshold`` or ``move_cost``
+            triggers).
         threshold: also re-plan when the current placement's summary imbalance on the tracked
             loads exceeds this (e.g. 1.05), checked every ``check_every`` steps.
         check_every: steps between threshold checks (default ``every`` or 50); each check is one
