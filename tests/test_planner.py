@@ -279,7 +279,8 @@ def test_accepts_torch_lists_and_integer_counts():
 @pytest.mark.parametrize("loads,match", [
     (np.full((2, 4), np.nan), "loads must be finite"),
     (-np.ones((2, 4)), "loads must be >= 0"),
-    (np.ones((2, 3, 4)), r"loads must have shape \[num_layers, num_experts\]"),
+    (np.ones((2, 3, 4, 1)), r"loads must have shape \[num_layers, num_experts\]"),
+    (np.full((3, 2, 4), np.nan), "loads must be finite"),
     (np.ones((2, 9)), "9 experts: every expert needs at least one slot"),
     (np.ones((2, 2)), "only 2 experts"),
 ])

@@ -117,7 +117,27 @@ def hf_trainer_callback_drives_a_migration():
     check_migrated(callback.rebalancer, model)
 
 
-CASES = [plain_loop_drives_a_migration]
+def plain_loop_replans_when_moves_pay():
+    """No period, no threshold: a move price low enough that moves pay re-plans at a check."""
+    from moebalance.planner import MoveCost
+
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rebalancer = mb.Rebalancer(model, TOPOLOGY, optimizer, every=None, check_every=EVERY,
+                               move_cost=MoveCost(1.0, 1e9, 100, 1.0))
+    data = TextBatches(SEQ, BATCH, WORLD, dist.get_rank(), seed=1)
+    for step in range(STEPS):
+        batch = data(step)
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:], WORLD * BATCH * SEQ)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rebalancer.step()
+    rebalancer.finish()
+    check_migrated(rebalancer, model)
+
+
+CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_callback_drives_a_migration)
 if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):

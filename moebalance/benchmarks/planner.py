@@ -513,6 +513,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the trace is skipped with a note when none ships)")
     parser.add_argument("--trace", default="mixtral", metavar="NAME",
                         help="which shipped trace to replay (default: mixtral)")
+    parser.add_argument("--window", type=positive_int_arg, default=None, metavar="T",
+                        help="instead of the tables above: time plan() on a window of T per-step "
+                             "counts [T, L, E] (generated DeepSeek-V3-like trace, 64 devices x 5 "
+                             "slots), fresh and as a re-plan, and the per-step imbalance after "
+                             "the re-split on the following T steps against the window-mean plan")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="folder for results.json, summary.md and plot.png (default: ./bench-out)")
 
@@ -608,6 +613,71 @@ def run_per_step(workload: str, name: str, topology: Topology, window_TLE: np.nd
     return out
 
 
+WINDOW_COLUMNS = ["input", "plan", "plan ms (median)", "moves", "per-step imbalance (next T)",
+                  "window-mean imbalance"]
+
+
+def run_window(args, out: Path, argv: list[str]) -> int:
+    """``--window T``: plan() on a window of per-step counts (see ``add_arguments``)."""
+    from ..planner import resplit_device_loads
+    from ..simulation.cluster import load_model
+    from ..simulation.traces import generate_trace
+
+    T, L, E = args.window, args.layers, MODEL["num_experts"]
+    topology = Topology.uniform(64, 5, devices_per_node=8)
+    model = load_model("deepseek-v3")
+    tokens = 64 * model.tokens_per_device          # the simulator's trace for 64 devices
+    counts = generate_trace(3 * T, num_layers=L, num_experts=E, num_groups=MODEL["num_groups"],
+                            top_k=MODEL["top_k"], tokens=tokens,
+                            sequences=tokens / model.sequence_length, seed=args.seed)
+    first, second, later = counts[:T], counts[T:2 * T], counts[2 * T:]
+
+    def per_step(p: Placement) -> float:
+        worst = sum((resplit_device_loads(later[:, layer], p.phy2log[layer], p.share[layer],
+                                          topology) / topology.speed).max(axis=1).sum()
+                    for layer in range(L))
+        return float(worst / (later.sum() / topology.speed.sum()))
+
+    rows, figures = [], []
+    mean_plan = plan(first.mean(axis=0), topology)
+    window_plan = plan(first, topology)
+    cases = [("mean [L, E]", "fresh", lambda: plan(second.mean(axis=0), topology), None),
+             ("window [T, L, E]", "fresh", lambda: plan(second, topology), None),
+             ("mean [L, E]", "re-plan", lambda: plan(second.mean(axis=0), topology,
+                                                     previous=mean_plan), mean_plan),
+             ("window [T, L, E]", "re-plan", lambda: plan(second, topology,
+                                                          previous=window_plan), window_plan)]
+    for label, kind, fn, previous in cases:
+        fn()                                          # warm: compiled kernels, caches
+        times = []
+        for _ in range(args.repeats):
+            placement, seconds = _timed(fn)
+            times.append(seconds)
+        moves = placement.moves_from(previous) if previous is not None else 0
+        item = {"input": label, "plan": kind, "plan_ms": statistics.median(times) * 1e3,
+                "moves": moves, "per_step_imbalance": per_step(placement),
+                "mean_imbalance": summary_imbalance(second.mean(axis=0), placement, topology)}
+        figures.append(item)
+        rows.append([label, kind, f"{item['plan_ms']:.1f}", str(moves),
+                     f"{item['per_step_imbalance']:.3f}", f"{item['mean_imbalance']:.4f}"])
+    head = (f"window plans: {T} steps x {L} layers x {E} experts, 64 devices x 5 slots; planner "
+            f"backend {backend('planner')}, one thread, {args.repeats} timed repeats; per-step "
+            f"imbalance after the re-split on the {T} steps after the planned window")
+    print(head)
+    print(format_text(WINDOW_COLUMNS, rows))
+    info = machine_info(argv)
+    for line in machine_lines(info):
+        print(line)
+    (out / "results.json").write_text(json.dumps({"machine": info, "window": figures},
+                                                 indent=2) + "\n", encoding="utf-8")
+    (out / "summary.md").write_text("\n".join(
+        ["# moebalance planner benchmark: window plans", "",
+         *[f"- {x}" for x in machine_lines(info)], "", head, "",
+         format_markdown(WINDOW_COLUMNS, rows)]) + "\n", encoding="utf-8")
+    print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the benchmark described by parsed ``args``; print the table; write the files.
 
@@ -625,6 +695,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     elif argv and Path(argv[0]).name == "moebalance":
         argv = ["moebalance", *argv[1:]]
     _set_one_thread()
+    if args.window is not None:
+        return run_window(args, out, argv)
 
     notes: list[str] = []
     tasks: list[tuple] = []

@@ -2,9 +2,9 @@
 
 For every router trace shipped with the package and for a homogeneous and a heterogeneous
 cluster sized for its experts (:func:`moebalance.workloads.trace_clusters`): the trace is cut
-into windows; a placement is planned on each window's mean load (``plan(previous=...)``, as a
-rebalancer would) and scored on every step of the *following* window, on that step's own
-counts. Per step, three figures over the same replicas:
+into windows; a placement is planned on each window's per-step counts (``plan(window_TLE,
+previous=...)``, as the Rebalancer does) and scored on every step of the *following* window,
+on that step's own counts. Per step, three figures over the same replicas:
 
 - **static**: the placement's shares;
 - **re-split**: :func:`moebalance.dispatch.shares.resplit_shares` from that step's counts
@@ -126,8 +126,10 @@ def run_trace(name: str, counts_TLE: np.ndarray, window: int, max_windows: int,
         previous = None
         figures, means, seconds, layer_calls = [], [], 0.0, 0
         for i in range(count - 1):
-            mean_LE = counts_TLE[i * window:(i + 1) * window].mean(axis=0)
-            placement = plan(mean_LE, topo, previous=previous)
+            window_TLE = counts_TLE[i * window:(i + 1) * window]
+            mean_LE = window_TLE.mean(axis=0)
+            # the Rebalancer's call: the window's per-step counts, planned for the steps
+            placement = plan(window_TLE, topo, previous=previous)
             previous = placement
             means.append(summary_imbalance(mean_LE, placement, topo))
             tables = [replica_table(placement, layer) for layer in range(L)]
@@ -294,7 +296,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         rows += run_trace(name, counts, window, preset["windows"], sweeps)
     kernels = kernel_rows(args.quick, sweeps)
     elapsed = time.perf_counter() - started
-    notes = ["placement planned on each window's mean counts (plan(previous=...)), scored on "
+    notes = ["placement planned on each window's per-step counts (plan(window, previous=...)), "
+             "scored on "
              "every step of the next window; imbalance = sum_l max_g(load/speed) / sum_l ideal "
              "per step, mean over steps; us/layer: one resplit_shares call (backend "
              f"{backend('resplit', 'cpu')}), one thread",

@@ -8,10 +8,11 @@ Every step, after ``optimizer.step()``::
         rebalancer.step()
 
 At a trigger (every ``every`` steps, and/or when the tracked imbalance of the current placement
-passes ``threshold``) it takes a snapshot of the tracked loads (one all-reduce), plans
-``plan(loads, topology, previous=current, max_moves=...)`` on every rank (deterministic from the
-reduced loads; a digest check proves the ranks agree) and starts the migration. The layers
-commit their new rows before their next forward, so training never stops for it.
+passes ``threshold``, and/or when a re-plan's moves pay for themselves under ``move_cost``) it
+takes a snapshot of the tracked loads (one all-reduce), plans ``plan(loads, topology,
+previous=current, max_moves=...)`` on every rank (deterministic from the reduced loads; a
+digest check proves the ranks agree) and starts the migration. The layers commit their new
+rows before their next forward, so training never stops for it.
 
 Figures go to the ``moebalance`` logger (INFO) and to ``rebalancer.history``: one dict per
 re-plan with the step, imbalance before and after (on the snapshot's loads), moves, bytes,
@@ -32,7 +33,8 @@ from torch import nn
 from ..metrics import summary_imbalance
 from ..migrate import MigrationError, Migrator
 from ..expert_slots import apply_placement, current_placement, moe_layers, set_device_speeds
-from ..planner import plan
+from ..planner import MoveCost, plan
+from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
 from ..tracker import LoadTracker, attach, attached_tracker
 
@@ -77,12 +79,17 @@ class Rebalancer:
         topology: the devices (one per rank of the group), with speeds and slots.
         optimizer: the optimizer of the experts (its state moves with the rows); None for
             weights only.
-        every: re-plan every this many steps (None: only when ``threshold`` triggers).
+        every: re-plan every this many steps (None: only when ``threshold`` or ``move_cost``
+            triggers).
         threshold: also re-plan when the current placement's summary imbalance on the tracked
             loads exceeds this (e.g. 1.05), checked every ``check_every`` steps.
         check_every: steps between threshold checks (default ``every`` or 50); each check is one
             all-reduce of the [L, E] loads.
         max_moves: cap on expert copies per re-plan (passed to :func:`moebalance.plan`).
+        move_cost: a :class:`~moebalance.planner.MoveCost`: also re-plan, at every check, as
+            soon as some layer's moves save more step time over ``move_cost.steps`` steps than
+            they take (:func:`moebalance.planner.trigger.replan_if_it_pays`); ``every`` then
+            stays the longest interval between re-plans.
         tracker: a :class:`LoadTracker` attached to ``model``; None takes the one
             :func:`moebalance.wrap` attached, or attaches one whose window is the steps between
             decisions. A tracker without window or EMA restarts after each re-plan.
@@ -99,7 +106,8 @@ class Rebalancer:
 
     def __init__(self, model: nn.Module, topology: Topology, optimizer=None, every: int | None = 200,
                  *, threshold: float | None = None, check_every: int | None = None,
-                 max_moves: int | None = None, tracker: LoadTracker | None = None,
+                 max_moves: int | None = None, move_cost: MoveCost | None = None,
+                 tracker: LoadTracker | None = None,
                  blocking: bool = False, timeout_s: float = 60.0,
                  max_bytes_in_flight: int | None = None, on_failure: str = "warn",
                  plan_options: dict | None = None, speeds=None) -> None:
@@ -117,9 +125,14 @@ class Rebalancer:
         self.every = _optional_positive(every, "every")
         if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 1.0):
             raise ValueError(f"threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, got {threshold!r}")
-        if self.every is None and threshold is None and speeds is None:
-            raise ValueError("give every=N steps, threshold=imbalance, or both; with neither the "
-                             "Rebalancer never re-plans")
+        if move_cost is not None and not isinstance(move_cost, MoveCost):
+            raise TypeError(f"move_cost must be a moebalance.planner.MoveCost or None, got "
+                            f"{type(move_cost).__name__}")
+        self.move_cost = move_cost
+        if self.every is None and threshold is None and move_cost is None and speeds is None:
+            raise ValueError("give every=N steps, threshold=imbalance, move_cost=MoveCost(...), "
+                             "speeds=SpeedTracker(...), or several; with none the Rebalancer "
+                             "never re-plans")
         self.threshold = None if threshold is None else float(threshold)
         self.check_every = _optional_positive(check_every, "check_every") or self.every or 50
         self.max_moves = None if max_moves is None else int(max_moves)
@@ -201,15 +214,20 @@ class Rebalancer:
                 return report
         since = self.steps - self._last_replan
         due = self.every is not None and since >= self.every
-        check = self.threshold is not None and self.steps % self.check_every == 0
+        check = ((self.threshold is not None or self.move_cost is not None)
+                 and self.steps % self.check_every == 0)
         if not (due or check):
             return None
         loads = self._loads()
         current = current_placement(self.model)
         before = summary_imbalance(loads, current, self.topology)
-        if not due and before <= self.threshold:
-            return None
-        return self._replan(loads, current, before)
+        if due or (self.threshold is not None and before > self.threshold):
+            return self._replan(loads, current, before)
+        if self.move_cost is not None:       # same reduced loads on every rank: same answer
+            new, _ = replan_if_it_pays(loads, current, self.topology, self.move_cost)
+            if new is not None:
+                return self._replan(loads, current, before, new)
+        return None
 
     def _loads(self) -> np.ndarray:
         snapshot = self.tracker.snapshot(self.group)               # [L_tracked, E], all ranks
@@ -223,9 +241,11 @@ class Rebalancer:
             loads[[i for i in range(placement.num_layers) if i not in covered]] = 1.0
         return loads
 
-    def _replan(self, loads: np.ndarray, current, before: float) -> dict:
+    def _replan(self, loads: np.ndarray, current, before: float, new=None) -> dict:
         start = time.perf_counter()
-        new = plan(loads, self.topology, previous=current, max_moves=self.max_moves, **self.plan_options)
+        if new is None:
+            new = plan(loads, self.topology, previous=current, max_moves=self.max_moves,
+                       **self.plan_options)
         planned_ms = (time.perf_counter() - start) * 1e3
         self._check_agreement(new)
         after = summary_imbalance(loads, new, self.topology)

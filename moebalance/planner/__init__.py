@@ -2,6 +2,10 @@
 
 The algorithm lives in :mod:`moebalance.planner.algorithm` (plain Python, the reference) and
 runs compiled by Numba when it is available (:func:`moebalance.backends`, part ``planner``).
+Given a window of per-step counts ``[T, L, E]``, ``plan`` plans for the steps after the
+per-step re-split (:mod:`moebalance.planner.steps`, whose docstring gives the rule: volatile
+and large experts liquid on one ring of devices, so a step's excess can flow; the small calm
+ones alone); :mod:`moebalance.planner.trigger` says when a re-plan's moves pay.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from .._arrays import as_loads, planning_loads, to_numpy
 from ..backends import backend
 from ..placement import Placement
 from ..topology import Topology
-from . import _jit, algorithm, eplb  # noqa: F401  (eplb registers its kernels before any compile)
+from . import _jit, algorithm, eplb, steps  # noqa: F401  (kernels register before any compile)
 from .eplb import rebalance_experts
 
 # With a previous placement, moves go to a layer while its hottest device is more than this
@@ -23,6 +27,24 @@ DEFAULT_TOLERANCE = 0.005
 # Improving moves a fresh plan makes per layer when the layer is small enough to search
 # exhaustively (slots x experts <= algorithm.EXHAUSTIVE_SIZE).
 SMALL_LAYER_MOVES = 16
+# Steps of a window a plan for the steps is judged on (evenly spaced; all when fewer).
+STEP_SAMPLES = 8
+# Share sweeps of the re-split when judging candidates on those steps: they start from shares
+# balanced for the mean, and a ranking needs less precision than the dispatcher's re-split.
+JUDGE_SWEEPS = 4
+# (spread_k, piece_cap) of the plans for the steps tried per layer (see .steps).
+STEP_SETTINGS = ((1.0, 0.25),)
+
+
+def resplit_device_loads(counts_TE, phy2log_S, share_S, topology: Topology,
+                         backend: str | None = None) -> np.ndarray:
+    """[T, G] device loads of one layer at every step of ``counts_TE`` [T, E] when each step's
+    tokens are re-split over the replicas of ``phy2log_S`` / ``share_S`` [S] (water filling
+    from those shares, as the dispatcher's per-step re-split does), with the planner's kernels
+    (``backend`` as in :func:`plan`; default: :func:`moebalance.backends`)."""
+    return _kernels(backend).resplit_device_loads(
+        np.ascontiguousarray(counts_TE, dtype=np.float64), phy2log_S, share_S, topology.speed,
+        topology.slot_device, algorithm.MAX_SWEEPS)
 
 
 def _kernels(name: str | None = None):
@@ -75,8 +97,10 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
     """Plan expert replicas, their devices and their token shares for every layer.
 
     Args:
-        loads: [L, E] (or [E]) predicted tokens per logical expert; numpy, torch (CPU or CUDA)
-            or cupy; finite and >= 0.
+        loads: [L, E] (or [E]) predicted tokens per logical expert, or [T, L, E] the per-step
+            counts of a recent window (what :class:`~moebalance.LoadTracker` keeps): the plan
+            is then for the steps, as with ``spread`` (their mean is the predicted load);
+            numpy, torch (CPU or CUDA) or cupy; finite and >= 0.
         topology: the devices (speed, slots, node); S = topology.num_slots >= E.
         previous: the placement in service now. Experts stay where they are unless moving them
             buys real balance; ``previous`` is not modified.
@@ -85,12 +109,16 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         move_cost: a :class:`MoveCost` (needs ``previous``): a layer's moves are kept only when
             the step time they save until the next re-plan exceeds the time they take.
         spread: how the loads move from step to step: the per-step counts [T, L, E] of the
-            window the loads were averaged over. A fresh plan then also plans for the loads
-            plus one and two standard deviations, with the most volatile experts as ring
-            valves, and with EPLB's replica counts (heavy experts split evenly, optimal
-            shares), and each layer keeps the candidate whose replicas, re-split step by step
-            (as the dispatcher's per-step re-split does), finish the window's steps earliest
-            on average.
+            window the loads were averaged over. The plan then minimises each step's hottest
+            device *after* the per-step re-split, not the mean's: per layer it keeps, of the
+            window-mean plan and the plans for the steps (:mod:`.steps`: replicas by spread
+            and mean, the volatile and large experts liquid on a ring of devices, the small
+            calm ones alone), the one whose replicas finish the window's steps (up to
+            ``STEP_SAMPLES`` of them, evenly spaced) earliest on average when each step's
+            tokens are re-split over them. With ``previous`` a layer changes only when that
+            figure improves by more than ``tolerance`` (and pays for its moves under
+            ``move_cost``, fits ``max_moves``); its candidates are then the placement in
+            service, its repair and the fresh plan.
         tolerance: with ``previous``, a layer is left alone while its imbalance is within
             ``tolerance`` of what a fresh plan reaches (relative, 0.005 = 0.5%); above that,
             moves repair it, the layer with most tokens above its target first. A layer is
@@ -104,6 +132,22 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         A valid :class:`Placement` (by construction: it is not validated again; call
         ``validate()`` to check); the same inputs give the same placement in any process.
     """
+    counts = None
+    ndim = loads.ndim if hasattr(loads, "ndim") else np.ndim(loads)
+    if ndim > 3:
+        raise ValueError(f"loads must have shape [num_layers, num_experts] (or [num_experts], or "
+                         f"[steps, num_layers, num_experts] for a window of per-step counts), "
+                         f"got {ndim} dimensions")
+    if ndim == 3:
+        if spread is not None:
+            raise ValueError("loads is already the per-step counts [T, L, E]; drop spread=, or "
+                             "pass the mean [L, E] as loads with spread=")
+        arr = to_numpy(loads, "loads")
+        if min(arr.shape) < 1:
+            raise ValueError(f"loads [steps, num_layers, num_experts] needs at least one step, "
+                             f"layer and expert, got shape {arr.shape}")
+        spread = as_loads(arr.reshape(-1, arr.shape[2]), "loads").reshape(arr.shape)
+        loads = spread.mean(axis=0)
     w = planning_loads(loads, topology)
     L, E = w.shape
     S = topology.num_slots
@@ -131,7 +175,8 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         if previous is None:
             raise ValueError("move_cost prices moves away from a previous placement: pass "
                              "previous=, or drop move_cost for a first placement")
-    counts = None if spread is None else _spread(spread, w.shape)
+    if spread is not None:
+        counts = _spread(spread, w.shape)
     if not (0 <= float(tolerance) < 1):
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     if isinstance(polish, bool) or int(polish) != polish or polish < 0:
@@ -142,7 +187,10 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
     k = _kernels(backend)
     phy2log, share = _fresh(k, w, w, topology, int(polish))
     if counts is not None:
-        phy2log, share = _spread_aware(k, w, counts, topology, int(polish), phy2log, share)
+        phy2log, share = _for_steps(k, w, _sampled(counts), topology, phy2log, share, previous,
+                                    max_moves, move_cost, float(tolerance))
+        return Placement(phy2log=phy2log, share=share, slot_device=topology.slot_device,
+                         num_experts=E)
     if previous is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()
         fresh_time = _max_time(w, phy2log, share, topology)
@@ -172,35 +220,80 @@ def _fresh(k, w: np.ndarray, vol: np.ndarray, topology: Topology, polish: int):
                         algorithm.MAX_SWEEPS)
 
 
-def _spread_aware(k, w, counts_TLE, topology: Topology, polish: int, phy2log, share):
-    """Per layer, the candidate plan whose replicas serve the steps of ``counts_TLE`` best
-    (see ``plan(spread=...)``); the plan for ``w`` is the first candidate."""
-    std = counts_TLE.std(axis=0)
+def _sampled(counts_TLE: np.ndarray) -> np.ndarray:
+    """At most ``STEP_SAMPLES`` steps of the window, evenly spaced (all when fewer)."""
+    T = counts_TLE.shape[0]
+    if T <= STEP_SAMPLES:
+        return counts_TLE
+    return np.ascontiguousarray(counts_TLE[np.linspace(0, T - 1, STEP_SAMPLES).round().astype(int)])
+
+
+def _step_times(k, counts_TLE, phy2log, share, topology: Topology) -> np.ndarray:
+    """[L] mean hottest time over the steps of ``counts_TLE`` after the per-step re-split."""
+    return k.step_times(counts_TLE, phy2log, share.copy(), topology.speed, topology.slot_device,
+                        JUDGE_SWEEPS)
+
+
+def _layer_moves(new_phy2log, old_phy2log, topology: Topology, num_experts: int) -> np.ndarray:
+    """[L] expert copies each layer needs to go from ``old`` to ``new`` (a device's slots
+    relabel freely)."""
+    L = new_phy2log.shape[0]
+    held = np.zeros((L, topology.num_devices * num_experts), dtype=bool)
+    rows = np.arange(L)[:, None]
+    held[rows, topology.slot_device * num_experts + old_phy2log] = True
+    return (~held[rows, topology.slot_device * num_experts + new_phy2log]).sum(axis=1)
+
+
+def _for_steps(k, w, counts_TLE, topology: Topology, phy2log, share, previous, max_moves,
+               move_cost, tolerance):
+    """Per layer, the candidate that serves the steps of ``counts_TLE`` best (see
+    ``plan(spread=...)``); ``phy2log``/``share`` are the window-mean plan."""
     best_p, best_s = phy2log.copy(), share.copy()
-    best_t = k.step_times(counts_TLE, phy2log, share, topology.speed, topology.slot_device,
-                          algorithm.MAX_SWEEPS)
-    candidates = [lambda: _fresh(k, w, std, topology, polish)]
-    candidates += [lambda x=x: _fresh(k, x, x, topology, polish) for x in (w + std, w + 2.0 * std)]
-    # Replicas that split the heavy experts evenly (EPLB's replica counts, with optimal shares):
-    # not the closest fit of the mean, but small pieces, which loads that drift and burst
-    # spread better over the devices.
-    candidates += [lambda attempt=attempt: k.plan_packed(
-        w, attempt, topology.speed, topology.slots, topology.node, topology.slot_offsets,
-        topology.slot_device, 0, algorithm.MAX_SWEEPS)
-        for attempt in range(1 if topology.is_homogeneous else 2)]
-    for candidate in candidates:
-        p, s = candidate()
-        # shares for the mean load: the candidates differ in their replicas only
-        load = np.stack([k.device_loads(w[i], p[i], s[i], topology.slot_device,
-                                        topology.num_devices) for i in range(w.shape[0])])
-        for i in range(w.shape[0]):
-            k.balance_shares(w[i], topology.speed, topology.slot_device, p[i], s[i], load[i],
-                             algorithm.MAX_SWEEPS)
-        t = k.step_times(counts_TLE, p, s, topology.speed, topology.slot_device,
-                         algorithm.MAX_SWEEPS)
+    best_t = _step_times(k, counts_TLE, best_p, best_s, topology)
+    std = counts_TLE.std(axis=0)
+    for spread_k, piece_cap in STEP_SETTINGS:
+        p, s = k.plan_steps(w, np.ascontiguousarray(w + spread_k * std), piece_cap,
+                            topology.speed, topology.slots, topology.node, topology.slot_offsets,
+                            topology.slot_device, algorithm.MAX_SWEEPS)
+        t = _step_times(k, counts_TLE, p, s, topology)
         better = t < best_t * (1.0 - 1e-9)
         best_p[better], best_s[better], best_t[better] = p[better], s[better], t[better]
-    return best_p, best_s
+    if previous is None:
+        return best_p, best_s
+    E = w.shape[1]
+    ideal = w.sum(axis=1) / topology.speed.sum()
+    fresh_time = _max_time(w, phy2log, share, topology)
+    target = np.maximum(fresh_time, ideal) * (1.0 + tolerance)
+    budget = -1 if max_moves is None else int(max_moves)
+    rep_p, rep_s, kept_s, rep_moves = k.plan_repair(
+        w, topology.speed, topology.slot_offsets, topology.slot_device, previous.phy2log,
+        previous.share, target, budget, algorithm.MAX_SWEEPS)
+    # options per layer: 0 the placement in service (shares re-split), 1 its repair, 2 fresh
+    opt_p = np.stack([previous.phy2log, rep_p, best_p])
+    opt_s = np.stack([kept_s, rep_s, best_s])
+    opt_t = np.stack([_step_times(k, counts_TLE, previous.phy2log, kept_s, topology),
+                      _step_times(k, counts_TLE, rep_p, rep_s, topology), best_t])
+    opt_m = np.stack([np.zeros_like(rep_moves), rep_moves,
+                      _layer_moves(best_p, previous.phy2log, topology, E)])
+    price = 0.0 if move_cost is None else move_cost.per_move
+    # a change must beat the placement in service by the tolerance and pay for its moves
+    saved = (opt_t[0] - opt_t) / max(ideal.sum(), 1e-300)
+    worth = (opt_t <= opt_t[0] * (1.0 - tolerance)) & (saved > opt_m * price)
+    worth[0] = True
+    score = np.where(worth, opt_t, np.inf)
+    choice = score.argmin(axis=0)
+    L = w.shape[0]
+    if max_moves is not None:
+        # over the budget: fall back, layer by layer, where a move buys least
+        while opt_m[choice, np.arange(L)].sum() > max_moves:
+            gain = np.full(L, np.inf)
+            for layer in np.flatnonzero(choice > 0):
+                c = choice[layer]
+                gain[layer] = (opt_t[c - 1, layer] - opt_t[c, layer]) / max(
+                    opt_m[c, layer] - opt_m[c - 1, layer], 1)
+            choice[int(gain.argmin())] -= 1
+    rows = np.arange(L)
+    return opt_p[choice, rows].copy(), opt_s[choice, rows].copy()
 
 
 def _spread(spread, shape: tuple[int, int]) -> np.ndarray:
@@ -271,4 +364,4 @@ def _max_time(w, phy2log, share, topology: Topology) -> np.ndarray:
     return (loads / topology.speed).max(axis=1)
 
 
-__all__ = ["MoveCost", "plan", "rebalance_experts"]
+__all__ = ["MoveCost", "plan", "rebalance_experts", "resplit_device_loads"]

@@ -13,8 +13,9 @@ policy's ``migration`` mode (see :mod:`.stepmodel`).
   device; speeds ignored, as EPLB ignores them; :func:`~moebalance.benchmarks.eplb_baseline.
   eplb_style_plan`), equal token shares, no regard for the placement in service, and training
   stops while the experts move (every move paid, as EPLB's rearrangement in vLLM and SGLang).
-* :class:`MoebalancePeriodic`: every ``every`` steps :func:`moebalance.plan` from the same
-  window with the placement in service as ``previous`` and the window's steps as ``spread``,
+* :class:`MoebalancePeriodic`: every ``every`` steps :func:`moebalance.plan` on the same
+  window's per-step counts ``[T, L, E]`` (planned for the steps, the Rebalancer's call) with
+  the placement in service as ``previous``,
   under a move budget (``max_moves``) or a move price (:class:`~moebalance.planner.MoveCost`:
   the step time a move saves until the next re-plan against its transfer time); migrations are
   live. With ``resplit=True`` each step's tokens are also re-split over the replicas (the
@@ -202,11 +203,11 @@ class MoebalancePeriodic(_Periodic):
         return True
 
     def _plan(self, recent_TLE, current):
-        loads = recent_TLE.mean(axis=0)
+        # the Rebalancer's call: the window's per-step counts, planned for the steps
         if current is None:
-            return plan(loads, self.topology, spread=recent_TLE)
-        return plan(loads, self.topology, previous=current, max_moves=self.max_moves,
-                    move_cost=self.move_cost, spread=recent_TLE)
+            return plan(recent_TLE, self.topology)
+        return plan(recent_TLE, self.topology, previous=current, max_moves=self.max_moves,
+                    move_cost=self.move_cost)
 
 
 class Oracle(Policy):

@@ -5,9 +5,9 @@ per step, gives each policy the first ``warmup`` steps as history, then walks th
 steps. Between re-plans a policy's placement is fixed, so the device loads of such a stretch
 are computed at once: each expert's tokens times its replicas' shares summed per device, or,
 with the per-step re-split, water filling of every step's tokens over the replicas
-(:func:`moebalance.planner.algorithm.resplit_device_loads`, the dispatcher's re-split, with the
-speeds the policy believes). The :class:`~.stepmodel.StepModel` turns loads into seconds at the
-speeds the devices run at (the cluster's ``speed_changes`` applied step by step).
+(:func:`moebalance.planner.resplit_device_loads`, the dispatcher's re-split, with the speeds the
+policy believes). The :class:`~.stepmodel.StepModel` turns loads into seconds at the speeds the
+devices run at (the cluster's ``speed_changes`` applied step by step).
 
 Legend: T steps, L layers, E experts, G devices, S slots.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..placement import Placement
-from ..planner import MoveCost, _jit, algorithm
+from ..planner import MoveCost, resplit_device_loads
 from ..topology import Topology
 from .cluster import Cluster, ModelShape
 from .policies import Policy
@@ -126,13 +126,11 @@ def _static_loads(w_BLE: np.ndarray, placement: Placement, G: int) -> np.ndarray
 def _resplit_loads(w_BLE: np.ndarray, placement: Placement, topology: Topology) -> np.ndarray:
     """[B, L, G]: every step's tokens re-split over the replicas (water filling from the
     placement's shares, as the dispatcher does)."""
-    k = _jit.compiled()
     B, L, _ = w_BLE.shape
     out = np.empty((B, L, topology.num_devices))
     for layer in range(L):
-        out[:, layer] = k.resplit_device_loads(
-            np.ascontiguousarray(w_BLE[:, layer]), placement.phy2log[layer],
-            placement.share[layer], topology.speed, topology.slot_device, algorithm.MAX_SWEEPS)
+        out[:, layer] = resplit_device_loads(w_BLE[:, layer], placement.phy2log[layer],
+                                             placement.share[layer], topology)
     return out
 
 

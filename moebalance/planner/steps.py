@@ -1,0 +1,327 @@
+"""Plans for the steps: replicas chosen and placed for each step's counts after the re-split.
+
+Kernels (:func:`~._jit.kernel`, plain Python and Numba alike) for ``plan(counts_TLE)``, the
+window of per-step counts ``[T, L, E]``. A step's time is its hottest device *after* the
+per-step re-split (:func:`.algorithm.balance_shares` on that step's counts), and the re-split
+can move tokens only along the placement's replicas. Measured on the window's steps, what a
+plan leaves above the step's ideal is almost all on experts with one replica (a device's
+*singles*): their tokens cannot leave it, so ``max_g singles_g(t) / speed_g`` bounds the step
+from below whatever the shares. Hence the rule (:func:`step_layer`):
+
+1. **Replica counts by spread and mean** (:func:`step_replica_counts`): an expert's size is its
+   high per-step level ``q = mean + spread_k * std`` over the window. Experts are split until
+   no piece of ``q`` exceeds ``piece_cap`` of a device's ideal load; every spare slot left
+   then gives a *second* replica to the largest single experts (by ``q``), so as many experts
+   as the spare slots allow become liquid (``S - E`` of them at most: each costs a slot), and
+   the singles that remain are the small, calm ones.
+2. **Liquid experts on one ring** (:func:`liquid_ring`): every device keeps at least one slot
+   for pieces (:func:`single_slots`: singles in proportion to speed). Two replicas of every
+   liquid expert, listed large, small, large, ... (alternating), are laid so that device ``g``
+   holds the end of one expert and the start of the next: neighbouring devices share an
+   expert and the device-expert graph is one cycle through every device, not the small closed
+   groups (two devices sharing two experts) that packing by need makes, through which a step's
+   excess cannot leave. Measured, that difference is most of the gain: packing the same
+   replicas by need gave 1.14 per-step imbalance after the re-split, the ring 1.06. Further
+   replicas of experts split more than twice go to positions spread evenly around the ring,
+   one expert after another (shortcuts between distant devices). Each piece starts at an
+   equal share: mid-range, so the re-split can move load either way.
+3. **Singles, largest first**, each to the device with a free slot whose singles and mean load
+   are lowest (:data:`SINGLE_WEIGHT`): devices end with similar rigid load and similar mean.
+4. **Shares for the mean** (water filling, :func:`.algorithm.balance_shares`): the shares in
+   force between re-splits balance the window's mean as far as the ring allows.
+
+``plan()`` keeps, per layer, whichever candidate (the plan for the steps, the window-mean
+plan and, with ``previous``, the placement in service and its repair) finishes the window's
+sampled steps earliest after the re-split (:func:`.algorithm.step_times`).
+
+Shapes: T steps, E experts, G devices, S slots (grouped by device), L layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import kernel
+from .algorithm import (add_valves, balance_shares, device_loads, heap_pop, heap_push,
+                        heap_sift_down, holds_expert, max_time)
+
+# A single goes to the device that minimises ``SINGLE_WEIGHT * its singles + (1 -
+# SINGLE_WEIGHT) * its mean load above fair`` (per speed): singles alone would leave the mean
+# to pieces that cannot carry it; the mean alone piles singles (rigid load) onto devices whose
+# pieces are small. Measured on the generated DeepSeek-V3 trace at 64 devices, per-step
+# imbalance after the re-split: 1.064 (1.0), 1.057 (0.5), 1.060 (0.25).
+SINGLE_WEIGHT = 0.5
+
+
+@kernel
+def step_replica_counts(q, num_slots, num_devices, cap):
+    """[E] int64 replicas per expert from its high per-step level ``q`` [E]: split (heaviest
+    piece first) until no piece exceeds ``cap``, then second replicas to the largest experts
+    that have one, while spare slots last. ``sum <= num_slots``, each ``<= num_devices``."""
+    E = q.shape[0]
+    r = np.ones(E, dtype=np.int64)
+    extra = num_slots - E
+    if extra <= 0 or num_devices <= 1:
+        return r
+    keys = q.copy()
+    ids = np.arange(E)
+    size = E
+    for i in range(E // 2 - 1, -1, -1):
+        heap_sift_down(keys, ids, size, i)
+    while extra > 0 and size > 0 and keys[0] > cap:
+        e = ids[0]
+        size = heap_pop(keys, ids, size)
+        r[e] += 1
+        extra -= 1
+        if r[e] < num_devices:
+            size = heap_push(keys, ids, size, q[e] / r[e], e)
+    order = np.argsort(-q, kind="mergesort")
+    for i in range(E):
+        if extra <= 0:
+            break
+        e = order[i]
+        if r[e] == 1:
+            r[e] = 2
+            extra -= 1
+    return r
+
+
+@kernel
+def single_slots(num_singles, speed, slots):
+    """[G] int64: slots of each device for single experts, about in proportion to speed (largest
+    remainders), leaving every device at least one slot for pieces of liquid experts when
+    the slots allow it."""
+    G = speed.shape[0]
+    n = np.zeros(G, dtype=np.int64)
+    room = np.empty(G, dtype=np.int64)
+    total_room = 0
+    for g in range(G):
+        room[g] = slots[g] - 1 if slots[g] > 1 else slots[g]
+        total_room += room[g]
+    if num_singles > total_room:
+        for g in range(G):
+            room[g] = slots[g]
+    total_speed = speed.sum()
+    left = num_singles
+    # one at a time to the device furthest below its speed's share of the singles
+    for _ in range(num_singles):
+        best = -1
+        best_key = 0.0
+        for g in range(G):
+            if n[g] < room[g]:
+                key = (n[g] + 1.0) / speed[g]
+                if best < 0 or key < best_key:
+                    best = g
+                    best_key = key
+        if best < 0:
+            break
+        n[best] += 1
+        left -= 1
+    return n
+
+
+@kernel
+def liquid_ring(order, r, n_single, slots, slot_offsets, out_p):
+    """Lay the replicas of the liquid experts (``r >= 2``), taken in ``order``, into every
+    device's first ``slots - n_single`` slots: two replicas of each expert form one ring (the
+    pairs are listed expert by expert and each position takes the next one in the list, so a
+    device holds the end of one expert and the start of the next, and neighbouring devices
+    share an expert); the further replicas of experts split more than twice go to positions
+    spread evenly around the ring, one expert after another, so that they join distant parts
+    of the ring (shortcuts: a step's excess need not walk around it). Returns the number of
+    replicas laid (fewer than listed when the devices have fewer piece slots)."""
+    N = order.shape[0]
+    G = slots.shape[0]
+    S = slot_offsets[G]
+    pairs = np.empty(S, dtype=np.int64)
+    n_pairs = 0
+    more = np.zeros(r.shape[0], dtype=np.int64)
+    n_extra = 0
+    for i in range(N):
+        e = order[i]
+        if r[e] >= 2:
+            pairs[n_pairs] = e
+            pairs[n_pairs + 1] = e
+            n_pairs += 2
+            more[e] = r[e] - 2
+            n_extra += r[e] - 2
+    extra = np.empty(max(n_extra, 1), dtype=np.int64)
+    n = 0
+    while n < n_extra:                  # round robin: one expert's extras lie far apart
+        for i in range(N):
+            e = order[i]
+            if more[e] > 0:
+                extra[n] = e
+                more[e] -= 1
+                n += 1
+    positions = np.empty(S, dtype=np.int64)
+    m = 0
+    for g in range(G):
+        for j in range(slots[g] - n_single[g]):
+            positions[m] = slot_offsets[g] + j
+            m += 1
+    if m == 0 or n_pairs + n_extra == 0:
+        return 0
+    n_extra = min(n_extra, max(m - n_pairs, 0))
+    is_extra = np.zeros(m, dtype=np.bool_)
+    for j in range(n_extra):
+        is_extra[min(m - 1, int((j + 0.5) * m / n_extra))] = True
+    ring_len = min(n_pairs, m - n_extra)
+    k = 0
+    x = 0
+    for i in range(m):
+        if is_extra[i]:
+            out_p[positions[i]] = extra[x]
+            x += 1
+        elif k < ring_len:
+            out_p[positions[i]] = pairs[(k + 1) % ring_len]
+            k += 1
+    return ring_len + n_extra
+
+
+@kernel
+def unique_on_devices(slot_offsets, phy2log):
+    """Swap replicas until no device holds one expert twice: a second copy trades places
+    with a slot of another device that holds neither expert."""
+    G = slot_offsets.shape[0] - 1
+    for g in range(G):
+        for a in range(slot_offsets[g], slot_offsets[g + 1]):
+            e = phy2log[a]
+            if e < 0:
+                continue
+            twice = False
+            for b in range(slot_offsets[g], a):
+                if phy2log[b] == e:
+                    twice = True
+            if not twice:
+                continue
+            for h in range(G):
+                if h == g:
+                    continue
+                done = False
+                for c in range(slot_offsets[h], slot_offsets[h + 1]):
+                    f = phy2log[c]
+                    if f < 0 or f == e:
+                        continue
+                    if holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
+                        break
+                    if holds_expert(phy2log, slot_offsets[g], slot_offsets[g + 1], f):
+                        continue
+                    phy2log[a], phy2log[c] = f, e
+                    done = True
+                    break
+                if done:
+                    break
+
+
+@kernel
+def step_layer(w, q, piece_cap, speed, slots, node, slot_offsets, slot_device, max_sweeps,
+               out_p, out_s):
+    """One layer's plan for the steps into ``out_p`` / ``out_s`` [S] (see the module
+    docstring): replica counts from ``q`` [E] (pieces at most ``piece_cap`` of the fastest
+    device's fair load), the liquid experts laid as one ring over the devices, the singles,
+    largest first, to the device furthest below its fair share of the mean ``w`` [E], shares
+    water-filled for ``w``."""
+    E = w.shape[0]
+    G = speed.shape[0]
+    S = slot_device.shape[0]
+    total_q = q.sum()
+    total_w = w.sum()
+    total_speed = speed.sum()
+    fair = 0.0
+    for g in range(G):
+        fair = max(fair, total_q * speed[g] / total_speed)
+    r = step_replica_counts(q, S, G, piece_cap * fair)
+    num_singles = 0
+    for e in range(E):
+        if r[e] == 1:
+            num_singles += 1
+    n_single = single_slots(num_singles, speed, slots)
+    by_q = np.argsort(-q, kind="mergesort")
+    # liquid experts alternately large and small around the ring: neighbouring devices share
+    # a large and a small one, so the flow that balances them stays inside every piece
+    liquid = np.empty(E, dtype=np.int64)
+    n_liquid = 0
+    for i in range(E):
+        if r[by_q[i]] >= 2:
+            liquid[n_liquid] = by_q[i]
+            n_liquid += 1
+    ring = np.empty(n_liquid, dtype=np.int64)
+    lo, hi = 0, n_liquid - 1
+    for i in range(n_liquid):
+        if i % 2 == 0:
+            ring[i] = liquid[lo]
+            lo += 1
+        else:
+            ring[i] = liquid[hi]
+            hi -= 1
+    out_p[:] = -1
+    out_s[:] = 0.0
+    liquid_ring(ring, r, n_single, slots, slot_offsets, out_p)
+    unique_on_devices(slot_offsets, out_p)
+    placed = np.zeros(E, dtype=np.int64)
+    for s in range(S):
+        if out_p[s] >= 0:
+            placed[out_p[s]] += 1
+    used = np.zeros(G, dtype=np.int64)
+    load = np.zeros(G, dtype=np.float64)
+    rigid = np.zeros(G, dtype=np.float64)
+    for s in range(S):
+        e = out_p[s]
+        if e >= 0:
+            out_s[s] = 1.0 / placed[e]
+            load[slot_device[s]] += w[e] / placed[e]
+            used[slot_device[s]] += 1
+    # singles (and liquid experts the ring had no room for), largest first, each to the
+    # device with a free slot whose singles and mean load are lowest (see SINGLE_WEIGHT)
+    for i in range(E):
+        e = by_q[i]
+        if placed[e] > 0:
+            continue
+        best = -1
+        best_key = 0.0
+        for g in range(G):
+            if used[g] < slots[g]:
+                key = (SINGLE_WEIGHT * rigid[g] + (1.0 - SINGLE_WEIGHT) * (
+                    load[g] - total_w * speed[g] / total_speed)) / speed[g]
+                if best < 0 or key < best_key:
+                    best = g
+                    best_key = key
+        s = slot_offsets[best] + used[best]
+        used[best] += 1
+        out_p[s] = e
+        out_s[s] = 1.0
+        load[best] += w[e]
+        rigid[best] += w[e]
+        placed[e] = 1
+    # free slots last on every device, where add_valves expects them
+    for g in range(G):
+        k = slot_offsets[g]
+        for s in range(slot_offsets[g], slot_offsets[g + 1]):
+            if out_p[s] >= 0:
+                out_p[k], out_s[k] = out_p[s], out_s[s]
+                k += 1
+        for s in range(k, slot_offsets[g + 1]):
+            out_p[s] = -1
+            out_s[s] = 0.0
+    for e in range(E):
+        r[e] = placed[e]
+    add_valves(w, r, speed, slots, slot_offsets, out_p, out_s, slot_device)
+    load = device_loads(w, out_p, out_s, slot_device, G)
+    balance_shares(w, speed, slot_device, out_p, out_s, load, max_sweeps)
+    return max_time(load, speed)
+
+
+@kernel
+def plan_steps(loads, high, piece_cap, speed, slots, node, slot_offsets, slot_device,
+               max_sweeps):
+    """:func:`step_layer` for every layer: (phy2log [L, S], share [L, S]) from the mean
+    ``loads`` [L, E] and the high levels ``high`` [L, E]."""
+    L = loads.shape[0]
+    S = slot_device.shape[0]
+    phy2log = np.empty((L, S), dtype=np.int64)
+    share = np.empty((L, S), dtype=np.float64)
+    for layer in range(L):
+        step_layer(loads[layer], high[layer], piece_cap, speed, slots, node, slot_offsets,
+                   slot_device, max_sweeps, phy2log[layer], share[layer])
+    return phy2log, share
