@@ -10,6 +10,7 @@ from .nn import ExpertParallelMoE
 from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
                            reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
+from .frameworks import exclude_experts_from_ddp
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "LoadTracker", "attach",
     "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
     "reduce_replica_gradients", "clip_grad_norm_", "plan_migration", "MigrationError",
+    "exclude_experts_from_ddp",
     "__version__",
 ]
 
