@@ -93,11 +93,12 @@ def lightning_loop(rank: int, world: int, steps: int, every: int) -> list:
     from moebalance.integrations.lightning import RebalanceCallback
 
     class LogSteps(L.Callback):
-        def __init__(self, log):
-            self.log = log
+        # Not `self.log`: Lightning sets `callback.log = pl_module.log` on every callback.
+        def __init__(self, step_log):
+            self.step_log = step_log
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.log.record(batch_idx, outputs["loss"], rebalance.rebalancer)
+            self.step_log.record(batch_idx, outputs["loss"], rebalance.rebalancer)
 
     class Module(L.LightningModule):
         def __init__(self):

@@ -71,3 +71,32 @@ def test_hf_trainer_example_trains_a_wrapped_model_with_a_live_migration(tmp_pat
 def test_lightning_example_trains_a_wrapped_model_with_a_live_migration():
     out = _run_example("lightning_rebalance.py", "--steps", "6", "--every", "3")
     assert "re-plan:" in out and "moves" in out
+
+
+def _mean_loss(out: str) -> float:
+    line = next(x for x in out.splitlines() if x.startswith("mean training loss"))
+    return float(line.rsplit(":", 1)[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                    or importlib.util.find_spec("accelerate") is None,
+                    reason="needs transformers and accelerate")
+def test_hf_trainer_example_under_torchrun_trains_like_spawned():
+    # Under torchrun the Trainer's DDP averages the dense part and its sampler shards the whole
+    # dataset once; spawned, wrap averages and each rank gets its rows: the same losses.
+    spawned = _run_example("hf_trainer_rebalance.py", "--quick")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "4", str(EXAMPLES / "hf_trainer_rebalance.py"),
+                           "--quick"], capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _mean_loss(proc.stdout) == pytest.approx(_mean_loss(spawned), rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs Lightning")
+def test_train_rebalance_example_lightning_loop_runs(tmp_path):
+    out = _run_example("train_rebalance.py", "--loop", "lightning", "--steps", "4", "--every", "2",
+                       "--out", str(tmp_path / "l.png"))
+    assert "re-plan:" in out
