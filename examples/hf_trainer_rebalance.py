@@ -61,7 +61,7 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
     loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
     dist.all_reduce(loss)
     if rank == 0:
-        print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.6f}")
+        print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.9f}")
         for r in rebalance.rebalancer.history:
             print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
                   f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
