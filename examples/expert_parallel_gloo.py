@@ -72,6 +72,13 @@ def worker(rank: int, world_size: int, steps: int) -> None:
             slots = TOPOLOGY.device_slots(g)
             print(f"  device {g} (speed {TOPOLOGY.speed[g]}): experts {new.phy2log[0, slots].tolist()}"
                   f" shares {np.round(new.share[0, slots], 2).tolist()}")
+        if (new.share[0] == 0).any():
+            print("  share 0.0: that replica holds its expert but the plan routes none of the "
+                  "expert's tokens to it (its other replicas take them all); it stays in sync "
+                  "and a later plan may give it tokens without moving weights")
+        if new.moves_from(placement) == 0 and not np.array_equal(new.share, placement.share):
+            print("  0 moves: no expert moved; the plan re-weighted the token shares of the "
+                  "replicated experts, which is where the balance changed")
 
 
 def main() -> None:

@@ -129,3 +129,23 @@ def test_lightning_example_trains_alike_spawned_and_under_torchrun():
     assert _mean_losses(torchrun) == pytest.approx(_mean_losses(spawned), rel=1e-5)
     for out in (spawned, torchrun):
         assert "re-plan:" in out and "moves" in out
+
+
+@pytest.mark.distributed
+@needs_hf
+@needs_lightning
+def test_frameworks_example_every_framework_trains_alike_spawned_and_under_torchrun(tmp_path):
+    # fp64: the hand-written loop and Lightning spawned, the user's DDP and the HF Trainer (its
+    # own DDP) under torchrun, each loop once; every loss sequence is the plain loop's.
+    spawned, torchrun = _run_both(
+        "frameworks_agree.py", ["--quick", "--loops", "plain,lightning", "--json", tmp_path / "s.json"],
+        ["--quick", "--loops", "ddp,hf", "--json", tmp_path / "t.json"])
+    runs = {}
+    for name in ("s.json", "t.json"):
+        runs.update(json.loads((tmp_path / name).read_text())["runs"])
+    assert sorted(runs) == ["spawned lightning", "spawned plain", "torchrun ddp", "torchrun hf"]
+    reference = runs["spawned plain"]["losses"]
+    assert len(reference) == 4
+    for name, run in runs.items():
+        assert run["losses"] == pytest.approx(reference, rel=1e-9), name
+        assert run["replicas_identical"] is True and run["replans"] == 2, name
