@@ -86,7 +86,7 @@ def hand_loop(rank, world, family, steps, every, use_ddp):
         mb.clip_grad_norm_(model, 1.0)
         optimizer.step()
         rebalancer.step()
-        losses.append(mean_over_ranks(float(loss)))
+        losses.append(mean_over_ranks(float(loss.detach())))
     rebalancer.finish()
     return losses, model, len(rebalancer.history)
 
@@ -108,7 +108,7 @@ def lightning_loop(rank, world, family, steps, every):
 
         def training_step(self, batch, batch_idx):
             loss = self.model(input_ids=batch, labels=batch).loss
-            self.losses.append(float(loss))
+            self.losses.append(float(loss.detach()))
             return loss
 
         def configure_optimizers(self):
@@ -134,7 +134,7 @@ def hf_loop(rank, world, family, steps, every):
     model = build(family)
     rebalance = RebalanceTrainerCallback(TOPOLOGY, every=every)
     local = []
-    hook = model.register_forward_hook(lambda m, a, out: local.append(float(out.loss)))
+    hook = model.register_forward_hook(lambda m, a, out: local.append(float(out.loss.detach())))
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
             output_dir=tmp, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,

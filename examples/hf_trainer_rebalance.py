@@ -25,6 +25,8 @@ import moebalance as mb
 from moebalance.launch import launch
 from moebalance.models import TextBatches, tiny_hf_moe
 
+from _step_imbalance import StepImbalance
+
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
@@ -37,6 +39,12 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
     # Rank 0's weights reach every rank inside wrap (a broadcast, as DDP does).
     model = mb.wrap(tiny_hf_moe(family, experts=8, seed=0), TOPOLOGY)
     rebalance = RebalanceTrainerCallback(TOPOLOGY, every=every)
+    imbalance = StepImbalance(model, TOPOLOGY)
+
+    class RecordImbalance(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):   # after the re-plan's on_step_end
+            imbalance.record(rebalance.rebalancer)
+
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
             output_dir=tmp, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=3e-3,
@@ -51,7 +59,7 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
         rows = [{"input_ids": row, "labels": row} for step in range(steps) for r in ranks
                 for row in streams[r](step)]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
-                                       callbacks=[rebalance])
+                                       callbacks=[rebalance, RecordImbalance()])
         if rank != 0:   # one rank prints the Trainer's summary
             trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         losses = []
@@ -65,7 +73,11 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
         for r in rebalance.rebalancer.history:
             print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
                   f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
-                  f"migration {r['migration_s'] or 0:.3f} s")
+                  f"migration {r['migration_s'] or 0:.3f} s"
+                  + (" (no expert moved: the tokens of replicated experts were re-split between "
+                     "their replicas)" if r["moves"] == 0
+                     and r["imbalance_after"] < r["imbalance_before"] else ""))
+        print(imbalance.bought())
     target = out or tempfile.mkdtemp(prefix="moebalance-hf-") if rank == 0 else None
     box = [target]
     dist.broadcast_object_list(box, group_src=0)

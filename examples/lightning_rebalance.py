@@ -26,6 +26,8 @@ import moebalance as mb
 from moebalance.launch import launch, under_torchrun
 from moebalance.models import TextBatches, tiny_hf_moe
 
+from _step_imbalance import StepImbalance
+
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
@@ -55,9 +57,16 @@ def worker(rank: int, world: int, steps: int, every: int, family: str) -> None:
         os.environ.setdefault("NODE_RANK", "0")
     module = Module()
     rebalance = RebalanceCallback(TOPOLOGY, every=every)
+    imbalance = StepImbalance(module, TOPOLOGY)
+
+    class RecordImbalance(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            imbalance.record(rebalance.rebalancer)     # after the re-plan (callbacks in order)
+
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, gradient_clip_val=1.0, callbacks=[rebalance])
+                        enable_model_summary=False, gradient_clip_val=1.0,
+                        callbacks=[rebalance, RecordImbalance()])
     # A DistributedSampler (unshuffled: the one Lightning would install shuffles) hands row i to
     # rank i % world: interleave the ranks' rows so that rank r trains on stream r.
     streams = [TextBatches(SEQ, BATCH, world, r, seed=0) for r in range(world)]
@@ -77,7 +86,11 @@ def worker(rank: int, world: int, steps: int, every: int, family: str) -> None:
         for r in rebalance.rebalancer.history:
             print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
                   f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
-                  f"migration {r['migration_s'] or 0:.3f} s")
+                  f"migration {r['migration_s'] or 0:.3f} s"
+                  + (" (no expert moved: the tokens of replicated experts were re-split between "
+                     "their replicas)" if r["moves"] == 0
+                     and r["imbalance_after"] < r["imbalance_before"] else ""))
+        print(imbalance.bought())
 
 
 def main() -> None:
