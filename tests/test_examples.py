@@ -12,12 +12,16 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TIMEOUT_S = 500          # per pair of runs; the machine running the suite may be loaded
+# Both runs of a pair must end within this (seconds). Idle, a pair takes well under a minute;
+# on a loaded 2-core machine several minutes. pytest-timeout's own limit sits just above it.
+TIMEOUT_S = 900
+pair_timeout = pytest.mark.timeout(TIMEOUT_S + 60)
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                               or importlib.util.find_spec("accelerate") is None,
@@ -39,9 +43,10 @@ def _run_both(name: str, spawned_args=(), torchrun_args=()) -> tuple[str, str]:
                               stderr=subprocess.PIPE, text=True)
              for args, torchrun in ((spawned_args, False), (torchrun_args, True))]
     outputs = []
+    deadline = time.monotonic() + TIMEOUT_S
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append((proc.returncode, out, err))
     finally:
         for proc in procs:
@@ -62,6 +67,7 @@ def _mean_losses(out: str) -> list[float]:
 
 
 @pytest.mark.distributed
+@pair_timeout
 def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun():
     spawned, torchrun = _run_both("expert_parallel_gloo.py", ["--quick"], ["--quick"])
     for out in (spawned, torchrun):
@@ -82,6 +88,7 @@ def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs():
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
+@pair_timeout
 def test_train_rebalance_example_every_loop_trains_alike_spawned_and_under_torchrun(tmp_path):
     # --loop all: the plain loop, the user's DDP, the HF Trainer (its own DDP under torchrun) and
     # L.Trainer(devices=4, strategy="ddp"), one after another in one group: 8 runs, 1 loss.
@@ -106,6 +113,7 @@ def test_train_rebalance_example_every_loop_trains_alike_spawned_and_under_torch
 
 @pytest.mark.distributed
 @needs_hf
+@pair_timeout
 def test_hf_trainer_example_trains_alike_spawned_and_under_torchrun(tmp_path):
     # Under torchrun the Trainer's DDP averages the dense part and its sampler shards the whole
     # dataset once; spawned, wrap averages and each rank gets its rows: the same losses.
@@ -122,6 +130,7 @@ def test_hf_trainer_example_trains_alike_spawned_and_under_torchrun(tmp_path):
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
+@pair_timeout
 def test_lightning_example_trains_alike_spawned_and_under_torchrun():
     # L.Trainer(devices=4, strategy="ddp"): under torchrun Lightning finds torchrun's ranks;
     # spawned, the example sets LOCAL_RANK so Lightning joins the spawned ranks.
@@ -134,6 +143,7 @@ def test_lightning_example_trains_alike_spawned_and_under_torchrun():
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
+@pair_timeout
 def test_frameworks_example_every_framework_trains_alike_spawned_and_under_torchrun(tmp_path):
     # fp64: the hand-written loop and Lightning spawned, the user's DDP and the HF Trainer (its
     # own DDP) under torchrun, each loop once; every loss sequence is the plain loop's.
