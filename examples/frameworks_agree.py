@@ -1,4 +1,4 @@
-"""One transformers MoE model, four ways to train it, the same losses: moebalance under the frameworks.
+"""One transformers MoE model trained four ways (plain, DDP, Lightning, HF Trainer), same losses.
 
 A tiny fp64 Qwen3-MoE or Mixtral (8 experts, top-2, byte vocabulary) is wrapped with mb.wrap on 4
 gloo ranks (speeds 1, 1, 0.5, 0.5; 3 slots each) and trained for --steps steps with a re-plan and
@@ -38,7 +38,8 @@ from moebalance.integrations.wrap import unwrap_state_dict
 from moebalance.launch import launch, under_torchrun
 from moebalance.models import TextBatches, tiny_hf_moe
 
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 SEQ, BATCH, LR = 32, 2, 3e-3
 
 
@@ -231,7 +232,8 @@ def main() -> None:
     if not loops or any(x not in ("plain", "ddp", "hf", "lightning") for x in loops):
         parser.error("--loops takes plain, ddp, hf, lightning")
     loops = sorted(loops, key=["plain", "ddp", "hf", "lightning"].index)
-    launch(worker, TOPOLOGY.num_devices, args=(args.family, loops, args.steps, args.every, args.json))
+    launch(worker, TOPOLOGY.num_devices,
+           args=(args.family, loops, args.steps, args.every, args.json))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def test_hf_trainer_example_trains_alike_spawned_and_under_torchrun(tmp_path):
                                   ["--quick", "--out", tmp_path / "torchrun"])
     assert _mean_losses(torchrun) == pytest.approx(_mean_losses(spawned), rel=1e-5)
     for how, out in (("spawned", spawned), ("torchrun", torchrun)):
-        assert "re-plan:" in out
+        assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
         assert (tmp_path / how / "config.json").is_file()
         assert (tmp_path / how / "moebalance_placement.npz").is_file()
 
@@ -138,6 +138,7 @@ def test_lightning_example_trains_alike_spawned_and_under_torchrun():
     assert _mean_losses(torchrun) == pytest.approx(_mean_losses(spawned), rel=1e-5)
     for out in (spawned, torchrun):
         assert "re-plan:" in out and "moves" in out
+        assert "what rebalancing bought: per-step imbalance" in out
 
 
 @pytest.mark.distributed
