@@ -45,7 +45,8 @@ class StepImbalance:
         return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on "
                 f"the first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after "
                 f"re-planning (steps {first + 1}-{len(rows) - 1}); the slowest device's modelled "
-                f"step time scales with it. Wall step time {1e3 * mean('step_s', before):.0f} -> "
+                f"step time scales with it. Wall step time "
+                f"{1e3 * mean('step_s', before[1:] or before):.0f} -> "
                 f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores "
-                f"and the speeds 0.5 are declared, not real, so wall time shows migration cost, "
-                f"not gain")
+                f"and the speeds 0.5 are declared, not real, so wall time "
+                f"shows migration cost, not gain (step 0, with start-up, left out)")

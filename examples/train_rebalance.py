@@ -312,9 +312,10 @@ def bought(rows: list) -> str:
     return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on the "
             f"first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after re-planning "
             f"(steps {first + 1}-{len(rows) - 1}); the slowest device's modelled step time scales "
-            f"with it. Wall step time {1e3 * mean('step_s', before):.0f} -> "
+            f"with it. Wall step time {1e3 * mean('step_s', before[1:] or before):.0f} -> "
             f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores and "
-            f"the speeds 0.5 are declared, not real, so wall time shows migration cost, not gain")
+            f"the speeds 0.5 are declared, not real, so wall time shows migration "
+            f"cost, not gain (step 0, with start-up, left out)")
 
 
 def plot(rows: list, path: Path, loop: str) -> None:
