@@ -310,8 +310,9 @@ def bought(rows: list) -> str:
         return sum(r[key] for r in part) / len(part)
 
     return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on the "
-            f"first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after re-planning "
-            f"(steps {first + 1}-{len(rows) - 1}); the slowest device's modelled step time scales "
+            f"first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after "
+            f"re-planning (steps {first + 1}-{len(rows) - 1}); the slowest device's modelled step "
+            f"time scales "
             f"with it. Wall step time {1e3 * mean('step_s', before[1:] or before):.0f} -> "
             f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores and "
             f"the speeds 0.5 are declared, not real, so wall time shows migration "
