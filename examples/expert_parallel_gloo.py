@@ -42,10 +42,12 @@ def worker(rank: int, world_size: int, steps: int) -> None:
     gen = torch.Generator().manual_seed(rank)
     # Tokens drawn around a few directions, so the router learns uneven preferences.
     centres = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7)) * 3
+    losses = []
     for step in range(steps):
         x = centres[torch.randint(0, 3, (TOKENS,), generator=gen)]
         x = x + torch.randn(TOKENS, HIDDEN, generator=gen)
         loss = (moe(x) - x.flip(1)).pow(2).mean()
+        losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
         moe.reduce_replica_gradients()   # replicas of an expert stay identical
@@ -57,8 +59,11 @@ def worker(rank: int, world_size: int, steps: int) -> None:
     agreed = [torch.zeros_like(digest) for _ in range(world_size)]
     dist.all_gather(agreed, digest)
     assert all(torch.equal(a, digest) for a in agreed), "ranks planned different placements"
+    mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+    dist.all_reduce(mean)
     if rank == 0:
         print(f"loss after {steps} steps: {loss.item():.4f}")
+        print(f"mean training loss over {steps} steps (all ranks): {float(mean) / world_size:.9f}")
         print(f"tokens per expert: {loads[0].astype(int).tolist()}")
         print(f"imbalance before {mb.imbalance(loads, placement, TOPOLOGY)[0]:.3f}, "
               f"after {mb.imbalance(loads, new, TOPOLOGY)[0]:.3f}, "
@@ -67,12 +72,22 @@ def worker(rank: int, world_size: int, steps: int) -> None:
             slots = TOPOLOGY.device_slots(g)
             print(f"  device {g} (speed {TOPOLOGY.speed[g]}): experts {new.phy2log[0, slots].tolist()}"
                   f" shares {np.round(new.share[0, slots], 2).tolist()}")
+        if (new.share[0] == 0).any():
+            print("  share 0.0: that replica holds its expert but the plan routes none of the "
+                  "expert's tokens to it (its other replicas take them all); it stays in sync "
+                  "and a later plan may give it tokens without moving weights")
+        if new.moves_from(placement) == 0 and not np.array_equal(new.share, placement.share):
+            print("  0 moves: no expert moved; the plan re-weighted the token shares of the "
+                  "replicated experts, which is where the balance changed")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--quick", action="store_true", help="3 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 3
     launch(worker, TOPOLOGY.num_devices, args=(args.steps,))
 
 

@@ -25,6 +25,8 @@ import moebalance as mb
 from moebalance.launch import launch
 from moebalance.models import TextBatches, tiny_hf_moe
 
+from _step_imbalance import StepImbalance
+
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
@@ -34,28 +36,48 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
 
     from moebalance.integrations.hf import RebalanceTrainerCallback
 
+    # Rank 0's weights reach every rank inside wrap (a broadcast, as DDP does).
     model = mb.wrap(tiny_hf_moe(family, experts=8, seed=0), TOPOLOGY)
-    data = TextBatches(SEQ, BATCH, world, rank, seed=0)
-    rows = [{"input_ids": row, "labels": row} for step in range(steps) for row in data(step)]
     rebalance = RebalanceTrainerCallback(TOPOLOGY, every=every)
+    imbalance = StepImbalance(model, TOPOLOGY)
+
+    class RecordImbalance(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):   # after the re-plan's on_step_end
+            imbalance.record(rebalance.rebalancer)
+
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
             output_dir=tmp, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=3e-3,
             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
-            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
+            train_sampling_strategy="sequential", average_tokens_across_devices=False)
+        # Under torchrun the Trainer shards what it is handed (batch i to rank i % world): hand
+        # it every rank's rows, step by step. Spawned, it does not: hand each rank its own.
+        # Either way rank r trains on the same rows.
+        ranks = range(world) if args.world_size > 1 else [rank]
+        streams = [TextBatches(SEQ, BATCH, world, r, seed=0) for r in range(world)]
+        rows = [{"input_ids": row, "labels": row} for step in range(steps) for r in ranks
+                for row in streams[r](step)]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
-                                       callbacks=[rebalance])
+                                       callbacks=[rebalance, RecordImbalance()])
         if rank != 0:   # one rank prints the Trainer's summary
             trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-        result = trainer.train()
-    loss = torch.tensor([result.training_loss], dtype=torch.float64)
+        losses = []
+        hook = model.register_forward_hook(lambda m, a, out: losses.append(float(out.loss)))
+        trainer.train()
+        hook.remove()
+    loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
     dist.all_reduce(loss)
     if rank == 0:
-        print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.3f}")
+        print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.9f}")
         for r in rebalance.rebalancer.history:
             print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
                   f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
-                  f"migration {r['migration_s'] or 0:.3f} s")
+                  f"migration {r['migration_s'] or 0:.3f} s"
+                  + (" (no expert moved: the tokens of replicated experts were re-split between "
+                     "their replicas)" if r["moves"] == 0
+                     and r["imbalance_after"] < r["imbalance_before"] else ""))
+        print(imbalance.bought())
     target = out or tempfile.mkdtemp(prefix="moebalance-hf-") if rank == 0 else None
     box = [target]
     dist.broadcast_object_list(box, group_src=0)
@@ -72,8 +94,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="re-plan every N steps (default 10)")
     parser.add_argument("--family", default="qwen3_moe",
                         help="mixtral, qwen2_moe, qwen3_moe (default), olmoe, deepseek_v3, gpt_oss")
+    parser.add_argument("--quick", action="store_true", help="4 steps, re-plan every 2")
     parser.add_argument("--out", default=None, help="folder for the final checkpoint (default: a temp dir)")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.every = 4, 2
     if args.steps < 1 or args.every < 1:
         parser.error("--steps and --every must be >= 1")
     launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family, args.out))

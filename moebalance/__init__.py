@@ -12,6 +12,7 @@ from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
                            reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
 from .collective_errors import GroupError
+from .frameworks import exclude_experts_from_ddp
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "Dispatcher", "ExpertParallelMoE", "apply_placement", "current_placement",
     "reduce_replica_gradients", "clip_grad_norm_", "plan_migration", "MigrationError",
     "GroupError",
+    "exclude_experts_from_ddp",
     "__version__",
 ]
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from .collective_errors import Attempt, agree, take_backward_failure
 from .device_index import DeviceIndex
+from .frameworks import exclude_experts_from_ddp, mark_slot_parameters
 from .migrate import Migrator, plan_migration, row_bytes
 from .placement import Placement
 from .replica_sync import GradientSync, HolderExchange
@@ -109,6 +110,9 @@ class ExpertSlots(nn.Module):
             self._sync = GradientSync(self.dispatcher.group, lambda: this()._exchange,
                                       self.slot_parameters(), list(group_params), scale=grad_scale)
             self._sync.enabled = grad_sync == "backward"
+        # Slot rows differ per rank: any DDP around this layer must leave them alone.
+        exclude_experts_from_ddp(self)
+        mark_slot_parameters(self.slot_parameters())
 
     def _set_placement(self, placement: Placement, layer: int) -> None:
         """Adopt ``placement`` for routing and gradient sync (slot storage keeps its shape)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from .nn import DenseMoE, ExpertParallelMoE
 from .placement import Placement
+from .frameworks import check_ddp
 from .replica_sync import GradientSync
 
 __all__ = ["MoELanguageModel", "lm_loss", "stdlib_corpus", "TextBatches", "tiny_hf_moe"]
@@ -133,6 +134,9 @@ class MoELanguageModel(nn.Module):
                 self._sync = GradientSync(self.blocks[0].moe.dispatcher.group, None, (), replicated)
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        if self._sync is not None:
+            # Under a DDP (which must leave the experts alone) DDP averages these instead.
+            self._sync.group_enabled = check_ddp(self) is None
         x = self.embed(ids_BT)
         for block in self.blocks:
             x = block(x)

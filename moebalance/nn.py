@@ -32,6 +32,7 @@ from .collective_errors import Attempt, take_backward_failure
 from .dispatch.dispatcher import Dispatcher
 from .expert_slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
                            moe_layers, reduce_replica_gradients)
+from .frameworks import check_ddp
 from .placement import Placement
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
@@ -308,15 +309,19 @@ class ExpertParallelMoE(ExpertSlots):
             backward and are final when ``backward()`` returns (before gradient clipping);
             "manual": call :func:`reduce_replica_gradients` after backward.
         sync_router: sum the router's gradient over the group (it is replicated on every rank).
-            False when something else reduces it (a DDP wrapper over the non-expert parameters).
+            False when something else reduces it. Under a DDP that wraps the layer or a model
+            holding it, DDP averages the router and the expert gradients are averaged too
+            (divided by G, DDP's mean), whatever this says.
 
     Attributes (read-only; a live placement changes only through :meth:`apply_placement`):
     ``placement``, ``layer``, ``local_experts`` ([Ls] int64, logical expert of each local slot).
     Also ``router``; ``experts`` (:class:`SlotExperts`, ``gate_up [Ls, 2F, D]``,
     ``down [Ls, D, F]``); ``dispatcher`` (:class:`~moebalance.dispatch.Dispatcher`).
 
-    Keep the experts out of any data-parallel wrapper: DDP would average each slot with whatever
-    unrelated expert the other ranks hold in the same slot row.
+    DDP: the layer lists its slot tensors in ``_ddp_params_and_buffers_to_ignore``, so a DDP
+    that wraps the layer leaves them alone; a DDP that wraps a model *holding* the layer needs
+    :func:`moebalance.exclude_experts_from_ddp` on that model first (the first forward raises
+    otherwise: DDP would have copied rank 0's slot rows over every rank's).
 
     Checkpoints: ``state_dict()`` holds this rank's slot rows and, as extra state, the layer's
     placement row, so a per-rank checkpoint resumes the placement it was saved under. To load
@@ -407,6 +412,7 @@ class ExpertParallelMoE(ExpertSlots):
             before.fail(left)
         with before.run():
             self._commit_pending()
+            self._follow_ddp()
             if not isinstance(hidden_states, torch.Tensor) or \
                     hidden_states.shape[-1:] != (self.hidden_dim,):
                 raise ValueError(f"hidden_states must be a tensor of shape "
@@ -429,6 +435,14 @@ class ExpertParallelMoE(ExpertSlots):
         return out_TD.reshape(hidden_states.shape)
 
     # -- gradient sync --------------------------------------------------------------------------
+
+    def _follow_ddp(self) -> None:
+        """Under a DDP (checked to leave the slots alone) the router is DDP's to average, and
+        the expert gradients follow DDP's mean over the ranks; without one, this layer sums."""
+        ddp = check_ddp(self)
+        if self._sync is not None:
+            self._sync.group_enabled = ddp is None
+            self._sync.scale = 1.0 / self.dispatcher.world_size if ddp is not None else 1.0
 
     def reduce_replica_gradients(self, include_router: bool = True) -> None:
         """Reduce this layer's gradients now; see :func:`reduce_replica_gradients`."""

@@ -226,7 +226,9 @@ class GradientSync:
         scale: factor on every reduced gradient (1: gradients of the sum of the ranks' losses;
             1 / G: of their mean, for losses that each rank averages over its own tokens).
 
-    ``enabled`` False makes the hooks pass gradients through untouched (manual reduction).
+    ``enabled`` False makes the hooks pass gradients through untouched (manual reduction);
+    ``group_enabled`` False does it for ``group_params`` alone (a DDP around the model reduces
+    them).
     """
 
     def __init__(self, group, exchange_for: Callable[[], HolderExchange] | None,
@@ -237,6 +239,7 @@ class GradientSync:
         self.scale = float(scale)
         self.group_params = [p for p in group_params if p.requires_grad]
         self.enabled = True
+        self.group_enabled = True
         self._pending: list[Callable[[], None]] = []
         self._queued = None      # the backward (graph task id) whose finishing step is queued
         self._handles = []
@@ -265,7 +268,7 @@ class GradientSync:
 
     def _finish(self) -> None:
         failures = backward_attempt(self.group)
-        if self.group_params:
+        if self.group_params and self.group_enabled:
             with failures.run():
                 self._launch_ready(everything=True)
             self._launched = 0
@@ -318,7 +321,7 @@ class GradientSync:
 
         def sum_over_group(grad: torch.Tensor):
             self, param = sync_ref(), param_ref()
-            if self is None or param is None or not self.enabled:
+            if self is None or param is None or not (self.enabled and self.group_enabled):
                 return None
             self._ready[bucket][id(param)] = grad.detach()
             if len(self._ready[bucket]) == len(self._buckets[bucket]):

@@ -14,11 +14,23 @@ backward. The Trainer's clipping is per rank, which would scale replicas of one 
 different factors: the callback sets ``args.max_grad_norm`` to 0 and clips by the global norm
 (:func:`moebalance.clip_grad_norm_`) in ``on_pre_optimizer_step`` instead.
 
-State that must survive a restart: the placement lives in the model's ``state_dict`` (each
-ExpertParallelMoE layer's extra state), since Trainer callback state is JSON and not restored
-by default; the Rebalancer's step counter resumes from ``state.global_step``. The Trainer
-writes the model from one process: an expert-parallel model's other ranks' slots are not in
-that file; save the experts by logical id with :func:`moebalance.checkpoint.save`.
+Under torchrun the Trainer wraps the model in DDP (accelerate) and shards the dataset it is
+handed (hand it the whole dataset); the wrapped model lists its expert slots in DDP's ignore
+list, so DDP averages the dense part and leaves each rank's experts alone (see
+:mod:`moebalance.frameworks`). Spawned without torchrun's environment the Trainer does neither:
+hand each rank its own rows.
+
+Saving: the Trainer writes the model from rank 0 alone, which would hold only rank 0's experts.
+While it trains, the wrapped model's own ``save_pretrained`` writes nothing and ``on_save``
+(every rank) writes the whole model into the checkpoint folder with
+:func:`moebalance.save_pretrained` (collective); outside training it raises, naming that
+function. The placement also lives in the model's ``state_dict`` and the Rebalancer's step
+counter resumes from ``state.global_step``.
+
+Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, ``moves``,
+``bytes``, ``plan_ms``, ``migration_s``) join the next ``logs`` the Trainer reports, through
+``on_log``; the callback runs right after the Trainer's flow callback, so reporting
+integrations (TensorBoard, W&B) see them.
 
 Importing this module imports transformers.
 """
@@ -30,6 +42,9 @@ try:
 except ImportError as exc:
     raise ImportError("moebalance.integrations.hf needs transformers: "
                       "pip install 'moebalance[transformers]'") from exc
+
+import os
+import sys
 
 from ..nn import clip_grad_norm_
 from ..topology import Topology
@@ -53,8 +68,21 @@ class RebalanceTrainerCallback(TrainerCallback):
         self.rebalancer: Rebalancer | None = None
         self.max_grad_norm = 0.0
         self._model = None
+        self._pending_logs: dict = {}
+        self._logged = 0
+
+    def _run_before_reporters(self) -> None:
+        """Move this callback right after the Trainer's flow callback in the handler that calls
+        it, so the figures it adds in ``on_log`` reach the reporting callbacks."""
+        handler = sys._getframe(2).f_locals.get("self")
+        callbacks = getattr(handler, "callbacks", None)
+        if isinstance(callbacks, list) and self in callbacks:
+            callbacks.remove(self)
+            flow = [i for i, c in enumerate(callbacks) if type(c).__name__ == "DefaultFlowCallback"]
+            callbacks.insert(flow[0] + 1 if flow else 0, self)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._run_before_reporters()
         if self.rebalancer is None:
             if model is None:
                 raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it inside "
@@ -68,6 +96,9 @@ class RebalanceTrainerCallback(TrainerCallback):
             self.rebalancer = Rebalancer(model, self.topology, torch_optimizer(optimizer),
                                          self.every, **self.options)
             self.rebalancer.resume(int(state.global_step))
+        guard = getattr(self._model, "save_pretrained", None)
+        if hasattr(guard, "redirected"):
+            guard.redirected = True            # on_save writes every expert instead
         return control
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -78,9 +109,36 @@ class RebalanceTrainerCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.rebalancer is not None:
             self.rebalancer.step()
+            for report in self.rebalancer.history[self._logged:]:
+                self._pending_logs.update({f"moebalance/{key}": float(report[key]) for key in
+                                           ("imbalance_before", "imbalance_after", "moves",
+                                            "bytes", "plan_ms")})
+            self._logged = len(self.rebalancer.history)
+            last = self.rebalancer.history[-1] if self.rebalancer.history else None
+            if last is not None and last.get("migration_s") is not None:
+                self._pending_logs.setdefault("moebalance/migration_s", float(last["migration_s"]))
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self._pending_logs:
+            logs.update(self._pending_logs)
+            self._pending_logs = {}
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._model is not None:
+            if self.rebalancer is not None:
+                self.rebalancer.finish()
+            from .wrap import save_pretrained
+
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            save_pretrained(self._model, folder)           # every rank: every expert
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.rebalancer is not None:
             self.rebalancer.finish()
+        guard = getattr(self._model, "save_pretrained", None)
+        if hasattr(guard, "redirected"):
+            guard.redirected = False
         return control

@@ -13,6 +13,15 @@ stores the experts by logical id (``checkpoint["moebalance"]``), which ``on_load
 loads into whatever placement the model has. Replica gradients are final before Lightning clips
 them (they are reduced during backward).
 
+Strategies: ``strategy="ddp"`` (``devices=N``, launched by Lightning or by torchrun) and a
+single device. At ``setup`` the callback lists the expert slots in the LightningModule's DDP
+ignore list (:func:`moebalance.exclude_experts_from_ddp`), so Lightning's DDP averages the dense
+parameters and leaves each rank's experts alone; ``mb.wrap`` the model in ``configure_model``
+(the process group exists by then) or before ``fit``. Sharding strategies (FSDP, DeepSpeed,
+model parallel) are refused at ``setup`` / ``on_fit_start``: they would shard or gather the
+slots. Re-plan figures go to ``pl_module.log`` (``moebalance/imbalance_before``, ``.../after``,
+``moves``, ``bytes``, ``plan_ms``, ``migration_s``), so every Lightning logger sees them.
+
 Importing this module imports Lightning (``lightning`` or ``pytorch_lightning``).
 """
 
@@ -20,14 +29,17 @@ from __future__ import annotations
 
 try:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError:  # the standalone package name
     try:
         from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
     except ImportError as exc:
         raise ImportError("moebalance.integrations.lightning needs Lightning 2.x: "
                           "pip install 'moebalance[lightning]' (or lightning>=2.2)") from exc
 
 from .. import checkpoint
+from ..frameworks import exclude_experts_from_ddp
 from ..nn import clip_grad_norm_
 from ..topology import Topology
 from .loop import Rebalancer, torch_optimizer
@@ -56,6 +68,27 @@ class RebalanceCallback(Callback):
         self._stepped = False
         self._restored: dict | None = None
 
+    def _check_strategy(self, trainer) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+            raise ValueError(
+                f"RebalanceCallback runs under strategy='ddp' (DDPStrategy, devices=N) or on one "
+                f"device, not {type(strategy).__name__}: it would shard or gather the expert "
+                f"slots, which differ per rank")
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._check_strategy(trainer)
+        # Names read when Lightning builds its DDP, after configure_model may have wrapped.
+        exclude_experts_from_ddp(pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._check_strategy(trainer)
+
+    def _log_replan(self, pl_module, report: dict) -> None:
+        figures = {f"moebalance/{key}": float(report[key]) for key in
+                   ("imbalance_before", "imbalance_after", "moves", "bytes", "plan_ms")}
+        pl_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
+
     def on_train_start(self, trainer, pl_module) -> None:
         if self.rebalancer is None:
             optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
@@ -74,7 +107,13 @@ class RebalanceCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._stepped and self.rebalancer is not None:
             self._stepped = False
-            self.rebalancer.step()
+            migrating = self.rebalancer._report if self.rebalancer.migrating else None
+            report = self.rebalancer.step()
+            if report is not None:
+                self._log_replan(pl_module, report)
+            if migrating is not None and migrating.get("migration_s") is not None:
+                pl_module.log("moebalance/migration_s", float(migrating["migration_s"]),
+                              on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.rebalancer is not None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
 from ..migrate import MigrationError, Migrator
 from ..expert_slots import apply_placement, current_placement, moe_layers, set_device_speeds
@@ -78,7 +79,7 @@ class Rebalancer:
         model: the model (its expert-parallel layers share one process group).
         topology: the devices (one per rank of the group), with speeds and slots.
         optimizer: the optimizer of the experts (its state moves with the rows); None for
-            weights only.
+            weights only. It must hold every slot parameter (create it after ``mb.wrap``).
         every: re-plan every this many steps (None: only when ``threshold`` or ``move_cost``
             triggers).
         threshold: also re-plan when the current placement's summary imbalance on the tracked
@@ -151,6 +152,7 @@ class Rebalancer:
         if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper of one), got "
                             f"{type(optimizer).__name__}")
+        check_optimizer(model, optimizer)
         self.optimizer = optimizer
         if tracker is None:
             tracker = attached_tracker(model)                       # e.g. by moebalance.wrap

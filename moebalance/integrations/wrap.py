@@ -22,7 +22,15 @@ Data parallelism for what is not an expert: every other parameter is replicated 
 its gradient is averaged over the group during backward (:class:`~moebalance.replica_sync.
 GradientSync`), and the expert gradients are scaled the same way, so with each rank computing
 transformers' usual mean loss over its own tokens (equal counts per rank) the gradients equal
-those of one process on the global batch. Do not also wrap the model in DDP.
+those of one process on the global batch. DDP is a partner: the wrapped model lists its expert
+slots in ``_ddp_params_and_buffers_to_ignore``, so a DDP around it (the user's, Lightning's, the
+Hugging Face Trainer's) averages the other parameters, this sync steps aside at each forward
+under one, and the expert replicas are still reduced here; the losses are the same either way.
+
+Every rank starts from rank 0's weights: :func:`wrap` broadcasts them (as DDP does) before it
+copies out this rank's experts, so unseeded ranks need no common seed. ``model.save_pretrained``
+of a wrapped model on several ranks raises before writing anything: use :func:`save_pretrained`
+(collective), which writes every expert.
 
 Legend: T tokens on this rank, H hidden size, I expert hidden size, E experts, Ls local slots.
 """
@@ -30,6 +38,7 @@ Legend: T tokens on this rank, H hidden size, I expert hidden size, E experts, L
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -38,6 +47,7 @@ from torch import nn
 
 from ..dispatch.dispatcher import Dispatcher
 from ..expert_slots import ExpertSlots, current_placement, moe_layers
+from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
 from ..placement import Placement
 from ..replica_sync import GradientSync
 from ..topology import Topology
@@ -149,8 +159,8 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
          track: bool = True) -> nn.Module:
     """Make a transformers 5.x MoE model expert-parallel over ``group``, in place.
 
-    Call on every rank of the group with the same model (same weights: build it from the same
-    seed or load the same checkpoint) before creating the optimizer.
+    Call on every rank of the group, before creating the optimizer. Every rank gets rank 0's
+    weights (a broadcast, as DDP does), so ranks built without a common seed agree.
 
     Args:
         model: a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 or GPT-OSS model (or any
@@ -230,6 +240,9 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
 
     world = topology.num_devices
     scale = 1.0 / world if grad_scale == "mean" else 1.0
+    if world > 1 and rows is None:
+        # A loader's rows and dense weights come from the same files on every rank already.
+        broadcast_from_rank0(model, group)
     if nodes is None:
         nodes = topology.node
     for layer, (_, block, router) in enumerate(blocks):
@@ -243,10 +256,58 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
         slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in slot_ids]
         model.moebalance_sync = GradientSync(group, None, (), dense, scale=scale)
+        model.register_forward_pre_hook(_DDPFollower(model, grad_scale))
+    # The model's own save_pretrained would write slots, not experts: write the plain model on
+    # one rank, refuse before writing anything on several.
+    model.save_pretrained = _SavePretrained(model, world)
+    exclude_experts_from_ddp(model)
     model.moebalance_topology = topology
     if track:
         model.moebalance_tracker = attach(model)
     return model
+
+
+class _DDPFollower:
+    """Forward pre-hook: under a DDP that leaves the slots alone, DDP averages the dense
+    gradients and the model's own dense sync steps aside; without one, it runs."""
+
+    def __init__(self, model: nn.Module, grad_scale: str) -> None:
+        self.model = weakref.ref(model)
+        self.grad_scale = grad_scale
+
+    def __call__(self, module, args):
+        ddp = check_ddp(module)
+        if ddp is not None and self.grad_scale == "sum":
+            raise ValueError("wrap(grad_scale='sum') sums gradients over the ranks but the "
+                             "DistributedDataParallel around this model averages them: wrap "
+                             "with grad_scale='mean' (the default) under DDP")
+        module.moebalance_sync.group_enabled = ddp is None
+
+
+class _SavePretrained:
+    """``model.save_pretrained`` of a wrapped model: on one rank it writes the plain model; on
+    several it raises at once (it would write only this rank's experts), unless a framework
+    callback redirected the save to :func:`save_pretrained` on every rank."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        self.model = weakref.ref(model)
+        self.world = world
+        self.redirected = False      # set by RebalanceTrainerCallback while the Trainer trains
+
+    def __call__(self, save_directory, *args, **kwargs):
+        model = self.model()
+        if self.world == 1:
+            kwargs.pop("state_dict", None)      # the slots' dict; the plain model's is written
+            return save_pretrained(model, save_directory, *args, **kwargs)
+        if self.redirected:
+            return None              # the callback's on_save writes it, on every rank
+        raise RuntimeError(
+            f"{type(model).__name__}.save_pretrained on a model that moebalance.wrap spread over "
+            f"{model.moebalance_topology.num_devices} ranks would write only this rank's experts; "
+            f"call moebalance.save_pretrained(model, path) on every rank instead")
+
+    def __reduce__(self):
+        return (_SavePretrained, (self.model(), self.world))
 
 
 def unwrap_state_dict(model: nn.Module) -> dict:
@@ -279,6 +340,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None
     with the placement beside it (``moebalance_placement.npz``). Collective; rank 0 writes."""
     plain = unwrap(model)
     placement = current_placement(model)
+    kwargs.pop("state_dict", None)      # a framework's dict of the slots: the plain one is written
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
         plain.save_pretrained(path, **kwargs)
