@@ -258,3 +258,12 @@ def test_launch_asserts_the_argument_count_before_touching_a_gpu(monkeypatch):
         cuda._launch(None, "combine_weight_grad_f32", 1, (None,) * 3 + (1,) * 4)
     with pytest.raises(AssertionError, match="out is a ptr, got an int"):
         cuda._launch(None, "combine_f32", 1, (None, None, None, 5, 1, 1, 1, 1))
+
+
+def test_resplit_kernel_signature_matches_its_launch():
+    """csrc/resplit.cu declares its kernel inside an ``extern "C"`` block; the launcher in
+    resplit_cuda.py passes 7 arrays, 6 int64 scalars and 2 work arrays, in that order."""
+    from moebalance.dispatch import resplit_cuda
+
+    params = kernel_signatures(resplit_cuda.source())[resplit_cuda.KERNEL_NAME]
+    assert [p.kind for p in params] == ["ptr"] * 7 + ["i64"] * 6 + ["ptr"] * 2

@@ -19,7 +19,9 @@ __all__ = ["Param", "kernel_signatures"]
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(([^)]*)\)(.*)$", re.M)
-_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+# Every ``__global__`` of csrc/ is an entry point with C linkage, declared ``extern "C"`` on its
+# own line or inside an ``extern "C" { ... }`` block.
+_ENTRY = re.compile(r'(?:extern\s+"C"\s+)?__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
 
 
@@ -32,7 +34,8 @@ class Param:
 
 
 def kernel_signatures(source: str) -> dict[str, tuple[Param, ...]]:
-    """``{kernel name: its parameters in order}`` for every ``extern "C" __global__`` kernel."""
+    """``{kernel name: its parameters in order}`` for every ``__global__`` kernel (csrc/ gives
+    each C linkage, alone or in an ``extern "C"`` block)."""
     text = _COMMENT.sub(" ", source).replace("\\\n", " ")
     macros = {}
     for match in _DEFINE.finditer(text):

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
+from .kernel_signatures import kernel_signatures
 
 __all__ = ["SOURCE_FILE", "KERNEL_NAME", "COMPILE_OPTIONS", "MAX_REPLICAS", "source",
            "resplit_shares_cuda"]
@@ -100,6 +101,10 @@ def resplit_shares_cuda(w_E: torch.Tensor, share_EX: torch.Tensor, plan, *, swee
                                           plan.class_starts_C1, share, load)]
     args += [np.int64(v) for v in (E, X, G, C, sweeps, 1 if exact else 0)]
     args += [cupy.from_dlpack(fwork), cupy.from_dlpack(iwork)]
+    # Neither CuPy nor the driver checks a launch's arguments against the kernel's parameters.
+    params = kernel_signatures(source())[KERNEL_NAME]
+    assert len(args) == len(params), (
+        f"{KERNEL_NAME} takes {len(params)} arguments, launched with {len(args)}")
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
         kernel((1,), (_BLOCK,), tuple(args))
     return share
