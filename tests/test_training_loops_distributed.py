@@ -153,3 +153,17 @@ def dist_results():
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_training_loop(dist_results, case):
     dist_results.check(case)
+
+
+def test_hf_callback_refuses_a_trainer_resume_at_once():
+    """A Trainer resumed from a checkpoint has already loaded the model its own way (not by
+    logical expert) and rank 0's optimizer state: the callback refuses before training starts."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+
+    callback = RebalanceTrainerCallback(mb.Topology.uniform(num_devices=1, slots_per_device=4))
+    with pytest.raises(ValueError, match=r"mb\.from_pretrained"):
+        callback.on_train_begin(SimpleNamespace(max_grad_norm=1.0), SimpleNamespace(global_step=5),
+                                SimpleNamespace(), model=None)

@@ -24,8 +24,10 @@ Saving: the Trainer writes the model from rank 0 alone, which would hold only ra
 While it trains, the wrapped model's own ``save_pretrained`` writes nothing and ``on_save``
 (every rank) writes the whole model into the checkpoint folder with
 :func:`moebalance.save_pretrained` (collective); outside training it raises, naming that
-function. The placement also lives in the model's ``state_dict`` and the Rebalancer's step
-counter resumes from ``state.global_step``.
+function. Resuming the Trainer from such a checkpoint (``resume_from_checkpoint``) is refused
+at ``on_train_begin`` on every rank: the Trainer's own load does not read experts by logical id
+and restores rank 0's optimizer state alone; load the folder with :func:`moebalance.from_pretrained`
+and start a new Trainer instead.
 
 Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, ``moves``,
 ``bytes``, ``plan_ms``, ``migration_s``) join the next ``logs`` the Trainer reports, through
@@ -82,6 +84,15 @@ class RebalanceTrainerCallback(TrainerCallback):
             callbacks.insert(flow[0] + 1 if flow else 0, self)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.rebalancer is None and state.global_step > 0:
+            # The Trainer restored its state from a checkpoint and loaded it into the model
+            # itself: that load does not read experts saved by logical id, and the optimizer
+            # state it restores is rank 0's alone. Every rank sees the same step: all refuse.
+            raise ValueError(
+                f"resuming transformers.Trainer from a checkpoint (step {state.global_step}) is not "
+                f"supported for an expert-parallel model: its experts and their optimizer state are "
+                f"per rank; load the checkpoint's model with mb.from_pretrained(folder, topology) "
+                f"and train it with a new Trainer (resume_from_checkpoint=None)")
         self._run_before_reporters()
         if self.rebalancer is None:
             if model is None:
