@@ -33,20 +33,25 @@ class StepImbalance:
         self.last = now
 
     def bought(self) -> str:
-        rows = self.rows
-        first = next((i for i, r in enumerate(rows) if r["replan"]), None)
-        if first is None or first + 1 >= len(rows):
-            return "no step ran after a re-plan: nothing to compare (raise --steps)"
-        before, after = rows[:first + 1], rows[first + 1:]
+        return bought(self.rows)
 
-        def mean(key, part):
-            return sum(r[key] for r in part) / len(part)
 
-        return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on "
-                f"the first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after "
-                f"re-planning (steps {first + 1}-{len(rows) - 1}); the slowest device's modelled "
-                f"step time scales with it. Wall step time "
-                f"{1e3 * mean('step_s', before[1:] or before):.0f} -> "
-                f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores "
-                f"and the speeds 0.5 are declared, not real, so wall time "
-                f"shows migration cost, not gain (step 0, with start-up, left out)")
+def bought(rows: list) -> str:
+    """What the re-plans bought in this run: per-step imbalance and wall step time on the first
+    placement (up to the first re-plan) against the steps after it."""
+    first = next((i for i, r in enumerate(rows) if r["replan"]), None)
+    if first is None or first + 1 >= len(rows):
+        return "no step ran after a re-plan: nothing to compare (raise --steps)"
+    before, after = rows[:first + 1], rows[first + 1:]
+
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on the "
+            f"first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after "
+            f"re-planning (steps {first + 1}-{len(rows) - 1}); the slowest device's modelled step "
+            f"time scales "
+            f"with it. Wall step time {1e3 * mean('step_s', before[1:] or before):.0f} -> "
+            f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores and "
+            f"the speeds 0.5 are declared, not real, so wall time shows migration "
+            f"cost, not gain (step 0, with start-up, left out)")

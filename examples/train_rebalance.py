@@ -37,6 +37,8 @@ from moebalance.frameworks import active_ddp
 from moebalance.launch import launch, under_torchrun
 from moebalance.models import MoELanguageModel, TextBatches, lm_loss
 
+from _step_imbalance import bought
+
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
 EXPERTS, LAYERS, SEQ, BATCH = 8, 2, 64, 8
 
@@ -296,27 +298,6 @@ def check_experts(model) -> dict:
                     raise RuntimeError(f"layer {layer.layer}: replicas of expert {expert} differ")
     return {k: v for k, v in expert_state_dict(model)["model"].items()
             if isinstance(v, torch.Tensor) and v.is_floating_point()}
-
-
-def bought(rows: list) -> str:
-    """What the re-plans bought in this run: per-step imbalance and wall step time on the first
-    placement (up to the first re-plan) against the steps after it."""
-    first = next((i for i, r in enumerate(rows) if r["replan"]), None)
-    if first is None or first + 1 >= len(rows):
-        return "no step ran after a re-plan: nothing to compare (raise --steps)"
-    before, after = rows[:first + 1], rows[first + 1:]
-
-    def mean(key, part):
-        return sum(r[key] for r in part) / len(part)
-
-    return (f"what rebalancing bought: per-step imbalance {mean('imbalance', before):.3f} on the "
-            f"first placement (steps 0-{first}) -> {mean('imbalance', after):.3f} after "
-            f"re-planning (steps {first + 1}-{len(rows) - 1}); the slowest device's modelled step "
-            f"time scales "
-            f"with it. Wall step time {1e3 * mean('step_s', before[1:] or before):.0f} -> "
-            f"{1e3 * mean('step_s', after):.0f} ms: the gloo ranks share this machine's cores and "
-            f"the speeds 0.5 are declared, not real, so wall time shows migration "
-            f"cost, not gain (step 0, with start-up, left out)")
 
 
 def plot(rows: list, path: Path, loop: str) -> None:
