@@ -10,7 +10,7 @@ def positive_int(value, name: str) -> int:
     """``value`` as an int after checking that it is an integer >= 1 (bools are not).
 
     Raises TypeError for anything but a Python or numpy integer, ValueError below 1; both name
-    ``name``. For integers typed on a command line, see :mod:`moebalance.cli_args`.
+    ``name``. For integers typed on a command line, see :mod:`moebalance.cli.args`.
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer >= 1, got {type(value).__name__} {value!r}")

@@ -70,7 +70,7 @@ def free_memory(device: torch.device, ranks_on_node: int) -> int:
 
 class _StandIn:
     """SwiGLU experts of a given shape (``gate_up [Ls, 2F, D]``, ``down [Ls, D, F]``), for
-    timing without a layer; called like :class:`moebalance.nn.SlotExperts`."""
+    timing without a layer; called like :class:`moebalance.nn.moe.SlotExperts`."""
 
     def __init__(self, hidden: int, ffn: int, dtype, device) -> None:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -170,7 +170,7 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
     Args:
         group: process group (None: the default group, or this process alone when
             torch.distributed is not initialised).
-        layer: an :class:`~moebalance.nn.ExpertParallelMoE` (or its ``experts``) whose experts
+        layer: an :class:`~moebalance.nn.moe.ExpertParallelMoE` (or its ``experts``) whose experts
             are timed at their shape, dtype and device; None: ``hidden_size`` (D) and
             ``ffn_hidden_size`` (F) SwiGLU experts of ``dtype`` (float32) on ``device``.
         tokens: rows per timed forward. warmup, repeats: untimed and timed forwards.

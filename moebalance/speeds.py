@@ -105,7 +105,7 @@ class _BackwardEnd(torch.autograd.Function):
 class ExpertTimer:
     """Times an expert-parallel layer's expert computation, forward and backward.
 
-    :class:`~moebalance.nn.ExpertParallelMoE` calls :meth:`begin` on the rows its slots receive
+    :class:`~moebalance.nn.moe.ExpertParallelMoE` calls :meth:`begin` on the rows its slots receive
     and :meth:`end` on their outputs when its ``expert_timer`` is set (one timer may serve every
     layer of a model). :meth:`collect` returns the work and seconds of the windows finished
     since the last call; on a GPU a window whose end event has not completed stays for a later
@@ -206,9 +206,9 @@ class SpeedTracker:
 
     def attach(self, model: torch.nn.Module) -> "SpeedTracker":
         """Time the expert computation of every expert-parallel layer in ``model``
-        (:class:`~moebalance.nn.ExpertParallelMoE`, and the layers ``mb.wrap`` builds);
+        (:class:`~moebalance.nn.moe.ExpertParallelMoE`, and the layers ``mb.wrap`` builds);
         returns self."""
-        from .expert_slots import moe_layers
+        from .nn.slots import moe_layers
 
         layers = moe_layers(model)
         if not layers:
@@ -285,7 +285,7 @@ class SpeedTracker:
         measured speeds: (new topology, the loads to plan for) if the expected saving over
         ``horizon`` steps beats the moves' price, else None. Collective when the speeds moved
         (it reads the reduced loads); every rank decides alike from the same figures."""
-        from .expert_slots import current_placement
+        from .nn.slots import current_placement
         from .metrics import summary_imbalance
         from .planner import plan
 

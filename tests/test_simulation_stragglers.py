@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import moebalance as mb
-from moebalance import cli
-from moebalance.simulation.cluster import Cluster, GPUKind, ModelShape, load_cluster
-from moebalance.simulation.policies import MoebalancePeriodic, Oracle
-from moebalance.simulation.run import simulate
-from moebalance.simulation.stepmodel import StepModel
-from moebalance.simulation.traces import generate_trace
+from moebalance.cli import main as cli
+from moebalance.lab.sim.cluster import Cluster, GPUKind, ModelShape, load_cluster
+from moebalance.lab.sim.policies import MoebalancePeriodic, Oracle
+from moebalance.lab.sim.run import simulate
+from moebalance.lab.sim.stepmodel import StepModel
+from moebalance.lab.sim.traces import generate_trace
 
 SMALL = ModelShape("small", num_layers=4, num_experts=16, top_k=2, hidden=64, ffn=128,
                    tokens_per_device=256, num_groups=4, non_moe_flops_per_token=1e6)

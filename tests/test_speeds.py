@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import moebalance as mb
 from _dist import case_id, run_cases
-from moebalance.nn import ExpertParallelMoE
+from moebalance.nn.moe import ExpertParallelMoE
 from moebalance.speeds import BACKWARD_WORK, ExpertTimer, SpeedTracker
 
 
@@ -180,7 +180,7 @@ STRAGGLER = dict(hidden=64, ffn=256, tokens=128, experts=8, slots=3, layers=2, s
 
 
 def straggler_replans_away_from_the_slow_rank():
-    from moebalance.benchmarks.straggler import straggler_run
+    from moebalance.lab.bench.straggler import straggler_run
 
     tracked = straggler_run(STRAGGLER, track=True)
     fixed = straggler_run(STRAGGLER, track=False)
@@ -217,7 +217,7 @@ def test_distributed(dist_results, case):
 
 
 def test_set_device_speeds_reaches_every_dispatcher_and_rebuilds_its_tables():
-    from moebalance.expert_slots import set_device_speeds
+    from moebalance.nn.slots import set_device_speeds
 
     moe = _layer()
     x = torch.randn(10, 16)

@@ -270,7 +270,7 @@ class Dispatcher:
         Every rank of the group must call it with the same speeds before the same step (the
         re-split is computed on every rank from the same counts; ranks with different speeds
         would route the same pair to different replicas): use
-        :func:`moebalance.expert_slots.set_device_speeds`, which the Rebalancer calls when it
+        :func:`moebalance.nn.slots.set_device_speeds`, which the Rebalancer calls when it
         adopts measured speeds. Cached per-placement tables are rebuilt on next use.
         """
         speeds = self._checked_speeds(speeds)

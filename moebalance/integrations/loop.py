@@ -27,17 +27,18 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
-from ..migrate import MigrationError, Migrator
-from ..expert_slots import apply_placement, current_placement, moe_layers, set_device_speeds
+from ..migrate.transfer import MigrationError, Migrator
+from ..migrate.wire import same_everywhere
+from ..nn.slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import MoveCost, plan
 from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
-from ..tracker import LoadTracker, attach, attached_tracker
+from ..tracker import LoadTracker
+from .routers import attach, attached_tracker
 
 __all__ = ["Rebalancer"]
 
@@ -277,9 +278,7 @@ class Rebalancer:
         if self.world_size == 1:
             return
         digest = hashlib.sha256(placement.phy2log.tobytes() + placement.share.tobytes()).hexdigest()
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, digest, group=self.group)
-        if len(set(everyone)) != 1:
+        if not same_everywhere(digest, self.group):
             raise RuntimeError("ranks planned different placements from the same reduced loads; "
                                "check that every rank runs the same moebalance and numba versions")
 
