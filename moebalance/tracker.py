@@ -1,6 +1,7 @@
 """Per-expert token counts, gathered on the device while the model runs.
 
-Shapes: L MoE layers, E logical experts per layer, T tokens, K experts chosen per token.
+Shapes: L MoE layers, E logical experts per layer, T tokens, K experts chosen per token,
+B = E + 2 count bins (the experts, dropped ids, invalid ids), V = E + 1 (the experts, invalid ids).
 
 A :class:`LoadTracker` keeps its counts where the router's ids already live (GPU or CPU) and
 updates them with ``index_add_`` only, so recording never waits on the host: no ``.item()``, no
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._arrays import positive_int
+from ._check import positive_int
 from .collective_errors import Attempt, GroupValueError, agree
 
 # Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second tracker on the same router would
@@ -50,9 +51,9 @@ class LoadSnapshot:
     the handle is returned; only :meth:`wait` blocks.
     """
 
-    def __init__(self, loads_LE1: torch.Tensor, work=None, event=None, layer_names=None,
+    def __init__(self, loads_LV: torch.Tensor, work=None, event=None, layer_names=None,
                  nonfinite_G: torch.Tensor | None = None):
-        self._loads_LE1 = loads_LE1  # last column: invalid ids per layer
+        self._loads_LV = loads_LV  # last column: invalid ids per layer
         self._nonfinite_G = nonfinite_G   # NaN/inf loads of each rank (a view of the same buffer)
         self._work = work
         self._event = event
@@ -87,7 +88,7 @@ class LoadSnapshot:
                         f"{int(bad.sum())} NaN or inf values; reset() the tracker there or "
                         f"load a state_dict with finite counts", "LoadTracker.snapshot",
                         [(g, f"{int(bad[g])} non-finite loads") for g in ranks])
-            host = self._loads_LE1.numpy()
+            host = self._loads_LV.numpy()
             invalid_L = host[:, -1]
             if np.any(invalid_L > 0):
                 layer = int(np.flatnonzero(invalid_L > 0)[0])
@@ -162,7 +163,7 @@ class LoadTracker:
         # torch.inference_mode(), or later in-place updates during training would be refused.
         with torch.inference_mode(False), torch.no_grad():
             # Columns: E experts, then dropped (-1) ids, then invalid ids.
-            self._live_LE2 = torch.zeros(L, E + 2, dtype=torch.int64, device=device)
+            self._live_LB = torch.zeros(L, E + 2, dtype=torch.int64, device=device)
             self._closed_LE = torch.zeros(L, E, dtype=torch.int64, device=device)  # cumulative view
             self._invalid_L = torch.zeros(L, dtype=torch.int64, device=device)  # closed steps
             self._ring_WLE = (torch.zeros(self.window, L, E, dtype=torch.int64, device=device)
@@ -228,7 +229,7 @@ class LoadTracker:
             in_range = (ids_N >= 0) & (ids_N < E)
             # -1 -> column E (dropped), any other out-of-range id -> column E+1 (invalid).
             bin_N = torch.where(in_range, ids_N, torch.where(ids_N == -1, E, E + 1))
-            self._live_LE2[layer].index_add_(0, bin_N, torch.ones_like(bin_N))
+            self._live_LB[layer].index_add_(0, bin_N, torch.ones_like(bin_N))
             if self.check:
                 bad = int((~in_range & (ids_N != -1)).sum())  # host sync: debugging mode only
                 if bad:
@@ -244,7 +245,7 @@ class LoadTracker:
         to keep a value.
         """
         self._require_device()
-        return self._live_LE2[:, : self.num_experts]
+        return self._live_LB[:, : self.num_experts]
 
     def step(self) -> torch.Tensor:
         """Close the current step: fold its counts into the window / EMA / cumulative view.
@@ -256,9 +257,9 @@ class LoadTracker:
         self._require_device()
         E = self.num_experts
         with torch.no_grad():
-            live_LE2 = self._live_LE2
-            step_LE = live_LE2[:, :E].clone()
-            self._invalid_L += live_LE2[:, E + 1]
+            live_LB = self._live_LB
+            step_LE = live_LB[:, :E].clone()
+            self._invalid_L += live_LB[:, E + 1]
             self._closed_LE += step_LE
             if self._ring_WLE is not None:
                 self._ring_WLE[self._steps % self.window].copy_(step_LE)
@@ -267,7 +268,7 @@ class LoadTracker:
                     self._ema_LE.copy_(step_LE)
                 else:
                     self._ema_LE.mul_(self.ema).add_(step_LE, alpha=1.0 - self.ema)
-            live_LE2.zero_()
+            live_LB.zero_()
         self._steps += 1
         return step_LE
 
@@ -287,7 +288,7 @@ class LoadTracker:
                 return self._ring_WLE.sum(0).to(torch.float64)
             if self._ema_LE is not None:
                 return self._ema_LE.clone()
-            return (self._closed_LE + self._live_LE2[:, : self.num_experts]).to(torch.float64)
+            return (self._closed_LE + self._live_LB[:, : self.num_experts]).to(torch.float64)
 
     def snapshot(self, group=None, async_op: bool = False):
         """The tracked load summed over the ranks of ``group``, copied to the host.
@@ -313,11 +314,11 @@ class LoadTracker:
             # Nothing recorded here yet: contribute zeros, on a device the backend can reduce.
             nccl = distributed and dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            loads_LE1 = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
+            loads_LV = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
         else:
             with torch.no_grad():
-                invalid_L = (self._invalid_L + self._live_LE2[:, self.num_experts + 1]).to(torch.float64)
-                loads_LE1 = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
+                invalid_L = (self._invalid_L + self._live_LB[:, self.num_experts + 1]).to(torch.float64)
+                loads_LV = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
         work = nonfinite_G = None
         if distributed:
             # Trackers of another shape on one rank would meet in an all-reduce of mismatched
@@ -328,18 +329,18 @@ class LoadTracker:
                                         "tracker num_experts": self.num_experts})
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             with torch.no_grad():
-                mine_G = loads_LE1.new_zeros(world)
-                mine_G[rank] = (~torch.isfinite(loads_LE1)).sum()
-                flat = torch.cat([loads_LE1.reshape(-1), mine_G])
+                mine_G = loads_LV.new_zeros(world)
+                mine_G[rank] = (~torch.isfinite(loads_LV)).sum()
+                flat = torch.cat([loads_LV.reshape(-1), mine_G])
             work = dist.all_reduce(flat, group=group, async_op=True)
-            loads_LE1 = flat[:-world].view(self.num_layers, self.num_experts + 1)
+            loads_LV = flat[:-world].view(self.num_layers, self.num_experts + 1)
             nonfinite_G = flat[-world:]
         event = None
-        if loads_LE1.is_cuda:
+        if loads_LV.is_cuda:
             if work is not None:
                 work.wait()  # NCCL: orders the copy after the reduction on the stream, host runs on
                 work = None
-            flat = loads_LE1 if nonfinite_G is None else torch.cat([loads_LE1.reshape(-1),
+            flat = loads_LV if nonfinite_G is None else torch.cat([loads_LV.reshape(-1),
                                                                     nonfinite_G])
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
@@ -348,9 +349,9 @@ class LoadTracker:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(flat.device))
             L, E1 = self.num_layers, self.num_experts + 1
-            loads_LE1 = host[:L * E1].view(L, E1)
+            loads_LV = host[:L * E1].view(L, E1)
             nonfinite_G = None if nonfinite_G is None else host[L * E1:]
-        handle = LoadSnapshot(loads_LE1, work=work, event=event,
+        handle = LoadSnapshot(loads_LV, work=work, event=event,
                               layer_names=self.layer_names or None, nonfinite_G=nonfinite_G)
         return handle if async_op else handle.wait()
 
@@ -359,7 +360,7 @@ class LoadTracker:
         state = {"num_layers": self.num_layers, "num_experts": self.num_experts,
                  "window": self.window, "ema": self.ema, "steps": self._steps}
         if self.device is not None:
-            for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+            for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
                 value = getattr(self, name)
                 if value is not None:
                     state[name] = value.detach().cpu().clone()
@@ -374,12 +375,12 @@ class LoadTracker:
                     f"build the tracker with the settings it was saved with"
                 )
         self._steps = int(state["steps"])
-        if "_live_LE2" not in state:
+        if "_live_LB" not in state:
             if self.device is not None:
                 self._allocate(self.device)
             return
         self._allocate(self.device if self.device is not None else torch.device("cpu"))
-        for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+        for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
             if getattr(self, name) is not None:
                 getattr(self, name).copy_(state[name])
 

@@ -19,7 +19,7 @@ PACKAGE = "moebalance"
 
 # STYLE.md's layout: the ground floor imports nothing above it ...
 GROUND_FLOOR = {f"{PACKAGE}.{name}" for name in (
-    "_arrays", "topology", "measure", "backends", "tracker", "placement", "metrics",
+    "_check", "topology", "measure", "backends", "tracker", "placement", "metrics",
     "collective_errors", "device_index")}
 # ... and the library's top floor is imported by nothing below it but the package's public face
 # (moebalance/__init__.py exports warm_up).

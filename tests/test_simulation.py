@@ -12,7 +12,7 @@ import pytest
 import moebalance as mb
 from moebalance.cli import main as cli
 from moebalance.planner import _jit, algorithm
-from moebalance.lab.sim.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, Cluster, GPUKind,
+from moebalance.lab.sim.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, ClusterSpec, GPUKind,
                                            ModelShape, cluster_preset, load_cluster, load_model)
 from moebalance.lab.sim.policies import (EPLBPeriodic, MoebalancePeriodic, Oracle,
                                             StaticUniform, default_policies)
@@ -28,8 +28,8 @@ KIND = GPUKind("X", flops=1e12, memory=80e9, intra_bandwidth=100e9, inter_bandwi
                intra_latency=0.0, inter_latency=0.0, gemm_efficiency=1.0)
 
 
-def _cluster(kinds, nodes, catalogue=None) -> Cluster:
-    return Cluster("test", "", tuple(kinds), tuple(nodes), catalogue or {"X": KIND})
+def _cluster(kinds, nodes, catalogue=None) -> ClusterSpec:
+    return ClusterSpec("test", "", tuple(kinds), tuple(nodes), catalogue or {"X": KIND})
 
 
 # -- clusters and models --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_cluster_round_trips_through_json_and_toml(tmp_path):
 ])
 def test_bad_cluster_descriptions_name_the_field(data, message):
     with pytest.raises(ValueError, match=message):
-        Cluster.from_dict(data)
+        ClusterSpec.from_dict(data)
 
 
 def test_cluster_file_errors_name_the_file(tmp_path):

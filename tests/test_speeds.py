@@ -167,7 +167,7 @@ def measure_agrees_on_every_rank():
 
 def measure_error_raises_on_every_rank():
     tokens = 0 if dist.get_rank() == 2 else 64
-    with pytest.raises(ValueError, match="rank 2: tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match="rank 2: tokens must be an integer >= 1"):
         mb.Topology.measure(hidden_size=16, ffn_hidden_size=32, slots=2, tokens=tokens)
     # the group still works afterwards
     topo = mb.Topology.measure(hidden_size=16, ffn_hidden_size=32, slots=2, tokens=64, repeats=2)

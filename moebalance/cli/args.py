@@ -7,7 +7,7 @@ reads. Mistakes in what the user typed or pointed at raise :class:`UsageError`, 
 :func:`run_guarded` prints as one line (exit status 2).
 
 Argument types (``*_arg``) parse the text of a command-line flag and raise
-``argparse.ArgumentTypeError`` (argparse names the flag); :func:`moebalance._arrays.positive_int`
+``argparse.ArgumentTypeError`` (argparse names the flag); :func:`moebalance._check.positive_int`
 checks a Python value handed to a public function.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, NoReturn
 
 import numpy as np
 
-from .._arrays import as_loads
+from .._check import as_loads
 from ..placement import Placement
 
 LOAD_SUFFIXES = (".npy", ".npz", ".pt", ".pth")

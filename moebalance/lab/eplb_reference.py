@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import planning_loads, positive_int, to_numpy
+from .._check import positive_int, to_numpy
+from ..topology import planning_loads
 from ..placement import Placement
 from ..planner.eplb import check_arguments
 from ..topology import Topology

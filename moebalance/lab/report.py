@@ -209,3 +209,29 @@ def add_caption(fig, text: str, width: int = 150) -> None:
     room = min(0.4, (0.2 + 0.17 * lines) / height)  # inches of text, as a fraction of the figure
     fig.text(0.01, 0.01, wrapped, ha="left", va="bottom", fontsize=9)
     fig.tight_layout(rect=(0.0, room, 1.0, 1.0))
+
+
+# -- timers of multi-rank benchmarks: a step is as slow as its slowest rank ------------------------
+
+
+def slowest(seconds):
+    """The largest of every rank's ``seconds`` (a collective): a float for a float, a list for a
+    sequence (elementwise)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(np.atleast_1d(np.asarray(seconds, dtype=np.float64)))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]) if np.ndim(seconds) == 0 else t.tolist()
+
+
+def timed(fn) -> float:
+    """Seconds of ``fn()`` on the slowest rank, ranks aligned by an untimed barrier first."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return slowest(time.perf_counter() - start)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._arrays import as_loads, positive_int
+from .._check import as_loads, integer, positive_int
 from ..topology import Device, Topology
 
 __all__ = [
@@ -117,8 +117,7 @@ def synthetic_loads(skew: str | Skew = "moderate", seed: int = 0, *, num_layers:
         skew = SKEWS[skew]
     elif not isinstance(skew, Skew):
         raise TypeError(f"skew must be a name from {sorted(SKEWS)} or a Skew, got {type(skew).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    integer(seed, "seed", 0)
     L = positive_int(num_layers, "num_layers")
     E = positive_int(num_experts, "num_experts")
     groups = positive_int(num_groups, "num_groups")
@@ -156,8 +155,7 @@ def drift(loads, rel: float, seed: int = 0) -> np.ndarray:
     rel = float(rel)
     if not math.isfinite(rel) or rel < 0 or rel > 2:
         raise ValueError(f"rel must be a relative change in [0, 2], e.g. 0.05, got {rel!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    integer(seed, "seed", 0)
     # sigma chosen so the noise has mean 1 and standard deviation exactly rel
     sigma = math.sqrt(math.log1p(rel * rel))
     factor = np.random.default_rng(seed).lognormal(-0.5 * sigma * sigma, sigma, w.shape)

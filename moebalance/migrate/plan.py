@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from .._check import positive_int
 
 from ..placement import Placement
 from ..topology import Topology
@@ -148,8 +149,7 @@ def plan_migration(old: Placement, new: Placement, topology: Topology | None = N
     _check_pair(old, new)
     old.validate()
     new.validate()
-    if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, (int, np.integer)) or expert_bytes < 1:
-        raise ValueError(f"expert_bytes must be an int >= 1, got {expert_bytes!r}")
+    positive_int(expert_bytes, "expert_bytes")
     G = old.num_devices
     if topology is not None:
         if not isinstance(topology, Topology):

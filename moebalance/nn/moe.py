@@ -22,13 +22,13 @@ G ranks of the expert-parallel group.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..collective_errors import Attempt, take_backward_failure
+from .._check import positive_int
 from ..dispatch.dispatcher import Dispatcher
 from .slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
                            moe_layers, reduce_replica_gradients)
@@ -37,12 +37,6 @@ from ..placement import Placement
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
@@ -101,9 +95,9 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True) -> None:
         super().__init__()
-        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
-        self.num_experts = _positive_int(num_experts, "num_experts")
-        self.top_k = _positive_int(top_k, "top_k")
+        self.hidden_dim = positive_int(hidden_size, "hidden_size")
+        self.num_experts = positive_int(num_experts, "num_experts")
+        self.top_k = positive_int(top_k, "top_k")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}; choose top_k <= "
                              f"num_experts")
@@ -136,9 +130,9 @@ class SlotExperts(nn.Module):
 
     def __init__(self, num_slots: int, hidden_size: int, ffn_hidden_size: int) -> None:
         super().__init__()
-        self.num_slots = _positive_int(num_slots, "num_slots")
-        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
-        self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self.num_slots = positive_int(num_slots, "num_slots")
+        self.hidden_dim = positive_int(hidden_size, "hidden_size")
+        self.ffn_dim = positive_int(ffn_hidden_size, "ffn_hidden_size")
         self.gate_up = nn.Parameter(torch.empty(self.num_slots, 2 * self.ffn_dim, self.hidden_dim))
         self.down = nn.Parameter(torch.empty(self.num_slots, self.hidden_dim, self.ffn_dim))
 
@@ -335,10 +329,10 @@ class ExpertParallelMoE(ExpertSlots):
                  exchange: str = "auto", nodes=None, grad_sync: str = "backward",
                  sync_router: bool = True, resplit: bool = True, speeds=None) -> None:
         super().__init__()
-        self.hidden_dim = _positive_int(hidden_size, "hidden_size")
-        self.ffn_dim = _positive_int(ffn_hidden_size, "ffn_hidden_size")
-        self.num_experts = _positive_int(num_experts, "num_experts")
-        self.top_k = _positive_int(top_k, "top_k")
+        self.hidden_dim = positive_int(hidden_size, "hidden_size")
+        self.ffn_dim = positive_int(ffn_hidden_size, "ffn_hidden_size")
+        self.num_experts = positive_int(num_experts, "num_experts")
+        self.top_k = positive_int(top_k, "top_k")
         self._check_placement(placement, layer, self.num_experts)
         self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
                                      speeds=speeds)

@@ -46,8 +46,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ...backends import has_cupy_gpu, has_numba
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
-from ..report import format_markdown, format_text, machine_info, phase
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..report import format_markdown, format_text, machine_info, phase, slowest
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
@@ -243,11 +243,9 @@ def _dist_worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -
         methods.update({"all_to_all_single x2": raw_pair,
                         "all_to_all_single x2, routed splits": raw_pair_routed})
         timed = interleaved(methods, cfg["repeats"], sync=dist.barrier)
-        # A step is as slow as its slowest rank.
-        slowest = torch.tensor(list(timed.values()), dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        seconds = slowest(list(timed.values()))
         if rank == 0:
-            result = dict(zip(timed, slowest.tolist()))
+            result = dict(zip(timed, seconds))
             Path(result_dir, "dist.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -564,8 +562,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(format_text(SHARE_COLUMNS, _share_cells(share_rows)))
     for line in notes:
         print(f"note: {line}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(args.out, "--out")
     config = {k: getattr(args, k) for k in ("quick", "tokens", "hidden", "top_k", "slots",
                                             "repeats", "ranks", "dist_tokens", "dist_hidden",
                                             "seed")}

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ..report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "One rank's error reaches every rank: a fault matrix on 4 gloo ranks."
@@ -536,12 +536,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UsageError(f"--ranks must be at least 2 (a fault on rank {FAULTY} against the "
                          f"others), divide the {cfg['experts']} experts and leave two per rank; "
                          f"got {args.ranks}")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a "
-                         f"writable folder")
+    out = writable_dir(args.out, "--out")
     print(f"moebalance fault matrix: {len(CASES)} faults, each on rank {FAULTY} of {args.ranks} "
           f"gloo ranks; float64 layer D={cfg['hidden']} F={cfg['ffn']}, {cfg['experts']} experts, "
           f"top-{cfg['top_k']}, {cfg['tokens']} tokens per rank; collective timeout "

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
+from ...cli.args import positive_int_arg, run_subcommand, writable_dir
 from ..report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = ("Peak memory per rank of mb.from_pretrained against building the whole model "
@@ -137,12 +137,7 @@ COLUMNS = ["rank", "from_pretrained peak (MB)", "whole model + wrap peak (MB)", 
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a "
-                         f"writable folder")
+    out = writable_dir(args.out, "--out")
     import torch
 
     from ...launch import launch

@@ -33,14 +33,13 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .. import workloads
 from ...backends import backend
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ...metrics import summary_imbalance
 from ...placement import Placement
 from ...planner import plan
@@ -315,8 +314,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for line in notes:
         print(f"note: {line}")
     info = machine_info(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(args.out, "--out")
     config = {"quick": args.quick, "traces": names, "window": window, "sweeps": sweeps,
               "wall_s": round(elapsed, 2)}
     (out / "results.json").write_text(json.dumps(

@@ -61,9 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..._check import positive_int
 from ..report import format_markdown, format_text, machine_info, markdown_header, phase
-from .train import timed
+from ..report import timed
 
 PROG = "moebalance bench simcheck"  # the prefix of its progress lines
 
@@ -171,8 +172,7 @@ class TraceRouter(nn.Module):
             raise ValueError(f"counts_TE must have shape [steps, experts], got {counts_TE.shape}")
         for name, value in (("hidden_size", hidden_size), ("top_k", top_k), ("tokens", tokens),
                             ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(value, name)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         if top_k > counts_TE.shape[1]:
@@ -350,7 +350,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
 
     import moebalance as mb
     from ...nn.moe import SlotExperts
-    from ..sim.cluster import Cluster
+    from ..sim.cluster import ClusterSpec
     from ..sim.stepmodel import StepModel
 
     D, Fh, N, K, E, L = (cfg[k] for k in ("hidden", "ffn", "tokens", "top_k", "experts", "layers"))
@@ -405,7 +405,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
     figures = {"flops": flops, "bandwidth": bandwidth, "latency": latency,
                "non_moe_flops_per_token": 0.0}
     spec = calibration_cluster(figures, cfg)
-    cluster = Cluster.from_dict(spec)
+    cluster = ClusterSpec.from_dict(spec)
     from ..sim.cluster import ModelShape
 
     step_model = StepModel(cluster, ModelShape(**spec["model"]))
@@ -456,7 +456,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
 
     import moebalance as mb
     from ...migrate.transfer import Migrator
-    from ..sim.cluster import Cluster, ModelShape
+    from ..sim.cluster import ClusterSpec, ModelShape
     from ..workloads import trace_loads
 
     share = CoreShare(cfg["share"]) if cfg["pace"] and cfg["share"] < 1 else None
@@ -470,7 +470,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
             Path(result_path).write_text(json.dumps({"calibration": calibration}), encoding="utf-8")
         return
     counts = trace_loads(TRACE)[0][:cfg["warmup"] + cfg["steps"]]
-    cluster, model = Cluster.from_dict(calibration), ModelShape(**calibration["model"])
+    cluster, model = ClusterSpec.from_dict(calibration), ModelShape(**calibration["model"])
     if rank == 0:
         phase(PROG, "planning each policy's placements along the trace", cfg["t0"])
     box = [_schedules(cluster, model, counts, cfg) if rank == 0 else None]
@@ -620,13 +620,9 @@ def _ranking(values: Sequence[float]) -> list[int]:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg, calibration = _config(args)
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+    out = writable_dir(args.out, "--out")
     from ...launch import launch
-    from ..sim.cluster import Cluster, ModelShape
+    from ..sim.cluster import ClusterSpec, ModelShape
     from ..sim.run import simulate
     from ..workloads import trace_loads
 
@@ -657,7 +653,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"\nwrote {out / 'calibration.json'} ({elapsed:.1f} s)")
         return 0
 
-    cluster, model = Cluster.from_dict(calibration), ModelShape(**calibration["model"])
+    cluster, model = ClusterSpec.from_dict(calibration), ModelShape(**calibration["model"])
     W, T = cfg["warmup"], cfg["warmup"] + cfg["steps"]
     phase(PROG, "modelling the same steps with the calibrated cluster", cfg["t0"])
     counts = trace_loads(TRACE)[0][:T]

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ..report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "Measured device speeds, and re-planning away from a straggler (4 gloo ranks)."
@@ -111,7 +111,7 @@ def straggler_run(cfg: dict, track: bool) -> dict:
 
     import moebalance as mb
     from .simcheck import CoreShare
-    from .train import timed
+    from ..report import timed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = cfg.get("share")
@@ -225,11 +225,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cfg.update(slow=args.slow, seed=args.seed, ranks=args.ranks, cores=int(cores),
                share=min(1.0, cores / args.ranks))
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+    out = writable_dir(args.out, "--out")
     print(f"moebalance straggler: {cfg['ranks']} gloo ranks on {cfg['cores']} cores, each held to "
           f"{cfg['share']:.2f} of a core; rank {cfg['ranks'] - 1} slows to {cfg['slow']} of that "
           f"at step {cfg['slow_at']} of {cfg['steps']}; {cfg['layers']} layers x {cfg['experts']} "

@@ -34,8 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
-from ..report import format_markdown, format_text, machine_info, markdown_header, part_of, phase
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..report import (format_markdown, format_text, machine_info, markdown_header, part_of, phase,
+                      slowest, timed)
 
 PROG = "moebalance bench train"  # the prefix of its progress lines
 
@@ -85,26 +86,6 @@ def moved_placement(current, fraction: float, rng: np.random.Generator):
         moved = int(Placement(phy2log, current.share, current.slot_device,
                               current.num_experts).moves_from(current))
     return Placement(phy2log, current.share, current.slot_device, current.num_experts).validate()
-
-
-def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (a collective)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def timed(fn) -> float:
-    """Seconds of ``fn()`` on the slowest rank, ranks aligned by an untimed barrier first."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return slowest(time.perf_counter() - start)
 
 
 def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
@@ -228,11 +209,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.slots * args.ranks < 16:
         raise UsageError(f"--slots {args.slots} x --ranks {args.ranks} cannot hold 16 experts; "
                          f"give at least {-(-16 // args.ranks)} slots per rank")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+    out = writable_dir(args.out, "--out")
     from ...launch import launch
 
     cfg = dict(QUICK if args.quick else FULL)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand
-from ..report import format_markdown, format_text, machine_info, markdown_header, phase
+from ...cli.args import positive_int_arg, run_subcommand, writable_dir
+from ..report import format_markdown, format_text, machine_info, markdown_header, phase, slowest
 
 PROG = "moebalance bench wrap"  # the prefix of its progress lines
 
@@ -117,11 +117,6 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     import moebalance as mb
     from moebalance.nn.slots import moe_layers
 
-    def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
     topology = mb.Topology.uniform(num_devices=world, slots_per_device=-(-16 // world) + 1)
     model = mb.wrap(_build(cfg), topology, track=True)
     timers = [_Timers(layer) for layer in moe_layers(model)]
@@ -190,11 +185,7 @@ COLUMNS = ["setup", "step (ms, median)", "tokens/s", "vs one process"]
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable folder")
+    out = writable_dir(args.out, "--out")
     from ...launch import launch
 
     cfg = {"family": args.family, "hidden": args.hidden, "seq": args.seq, "batch": args.batch,

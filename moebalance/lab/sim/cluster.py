@@ -1,11 +1,11 @@
 """What the simulator needs to know about a cluster and a model: device kinds, links, expert shapes.
 
-A :class:`GPUKind` gives a device's dense bf16 throughput, memory and links; a :class:`Cluster`
+A :class:`GPUKind` gives a device's dense bf16 throughput, memory and links; a :class:`ClusterSpec`
 lists devices (kind and node, in rank order); a :class:`ModelShape` gives the expert shape, the
 tokens each device routes per step and the bytes an expert occupies and moves. From these,
-:func:`Cluster.topology` derives what the planner sees: ``speed`` (tokens per second of expert
+:func:`ClusterSpec.topology` derives what the planner sees: ``speed`` (tokens per second of expert
 work, relative to the fastest kind) and ``slots`` (expert replicas per layer that fit in the
-memory set aside for experts, capped at what the model needs, see :meth:`Cluster.slots`).
+memory set aside for experts, capped at what the model needs, see :meth:`ClusterSpec.slots`).
 
 Preset figures (:data:`GPU_KINDS`) are the vendors' datasheet numbers, named in ``source``:
 dense (not sparse) bf16 tensor throughput, memory, the intra-node link per direction and the
@@ -13,7 +13,7 @@ network per GPU of the usual server build. ``gemm_efficiency`` (the fraction of 
 grouped GEMM reaches) is not a datasheet figure: 0.6 is an assumption, the same for every
 kind, and a cluster file may set its own.
 
-Files: :func:`load_cluster` reads JSON or TOML of the form written by :meth:`Cluster.to_dict`::
+Files: :func:`load_cluster` reads JSON or TOML of the form written by :meth:`ClusterSpec.to_dict`::
 
     {"name": "mine", "kinds": {"H100": {...GPUKind fields...}},       # optional: presets
      "nodes": [{"kind": "H100", "devices": 8}, {"kind": "A100", "devices": 8}],
@@ -23,7 +23,7 @@ Files: :func:`load_cluster` reads JSON or TOML of the form written by :meth:`Clu
 on, device ``device`` runs at ``factor`` times its kind's throughput (0.5: a straggler at half
 speed; 1 restores it; a later change of the same device replaces an earlier one). The factor
 scales the whole device (its expert GEMMs and the rest of its layers); what the planner is told
-stays the nominal :meth:`Cluster.topology` unless a policy measures the speeds
+stays the nominal :meth:`ClusterSpec.topology` unless a policy measures the speeds
 (:class:`~.policies.MoebalancePeriodic` with ``speeds=``).
 
 Legend: G devices, L MoE layers, E experts.
@@ -40,8 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from ...topology import Device, Topology
+from ..._check import integer, positive_int
 
-__all__ = ["GPUKind", "GPU_KINDS", "ModelShape", "MODELS", "Cluster", "CLUSTER_PRESETS",
+__all__ = ["GPUKind", "GPU_KINDS", "ModelShape", "MODELS", "ClusterSpec", "CLUSTER_PRESETS",
            "cluster_preset", "load_cluster", "load_model"]
 
 GB = 1e9
@@ -161,9 +162,7 @@ class ModelShape:
         for name in ("num_layers", "num_experts", "top_k", "hidden", "ffn", "tokens_per_device",
                      "num_groups", "sequence_length"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"ModelShape {self.name!r}: {name} must be an integer >= 1, "
-                                 f"got {value!r}")
+            positive_int(value, f"ModelShape {self.name!r}: {name}")
         if self.layers_per_device is not None and (
                 isinstance(self.layers_per_device, bool) or self.layers_per_device < 1):
             raise ValueError(f"ModelShape {self.name!r}: layers_per_device must be an integer "
@@ -228,7 +227,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterSpec:
     """Devices in rank order: each one's kind and node.
 
     Attributes:
@@ -265,7 +264,7 @@ class Cluster:
     def num_devices(self) -> int:
         return len(self.kinds)
 
-    def with_speed_changes(self, changes) -> "Cluster":
+    def with_speed_changes(self, changes) -> "ClusterSpec":
         """This cluster with ``changes`` ((step, device, factor) triples) added to its own."""
         return replace(self, speed_changes=self.speed_changes + tuple(tuple(c) for c in changes))
 
@@ -322,7 +321,7 @@ class Cluster:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict, name: str = "cluster") -> "Cluster":
+    def from_dict(cls, data: dict, name: str = "cluster") -> "ClusterSpec":
         if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
             raise ValueError(f"cluster {name!r}: needs a non-empty list 'nodes' of "
                              f"{{'kind': ..., 'devices': N}} entries")
@@ -375,8 +374,7 @@ def _speed_change(change, num_devices: int, where: str) -> tuple[int, int, float
         raise ValueError(f"{where} must be (step, device, factor), got {change!r}")
     step, device, factor = change
     for value, what in ((step, "step"), (device, "device")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{where}: {what} must be an integer >= 0, got {value!r}")
+        integer(value, f"{where}: {what}", 0)
     if device >= num_devices:
         raise ValueError(f"{where}: device {device} is not in the cluster's {num_devices} "
                          f"devices (0..{num_devices - 1})")
@@ -387,14 +385,14 @@ def _speed_change(change, num_devices: int, where: str) -> tuple[int, int, float
     return int(step), int(device), float(factor)
 
 
-def _build(name: str, description: str, layout: list[tuple[str, int]], per_node: int = 8) -> Cluster:
+def _build(name: str, description: str, layout: list[tuple[str, int]], per_node: int = 8) -> ClusterSpec:
     """A cluster of nodes of ``per_node`` devices: ``layout`` = [(kind, devices), ...]."""
     kinds = [k for kind, count in layout for k in [kind] * count]
-    return Cluster(name=name, description=description, kinds=tuple(kinds),
+    return ClusterSpec(name=name, description=description, kinds=tuple(kinds),
                    nodes=tuple(g // per_node for g in range(len(kinds))), catalogue=dict(GPU_KINDS))
 
 
-def _presets() -> dict[str, Cluster]:
+def _presets() -> dict[str, ClusterSpec]:
     out = {}
     for g in (8, 64, 256, 1024):
         out[f"h100-{g}"] = _build(f"h100-{g}", f"{g} H100 SXM, 8 per node", [("H100", g)])
@@ -409,21 +407,21 @@ def _presets() -> dict[str, Cluster]:
     return out
 
 
-CLUSTER_PRESETS: dict[str, Cluster] = _presets()
+CLUSTER_PRESETS: dict[str, ClusterSpec] = _presets()
 
 
-def cluster_preset(name: str) -> Cluster:
+def cluster_preset(name: str) -> ClusterSpec:
     if name not in CLUSTER_PRESETS:
         raise ValueError(f"cluster must be a preset name ({', '.join(sorted(CLUSTER_PRESETS))}) or "
                          f"a .json/.toml file, got {name!r}")
     return CLUSTER_PRESETS[name]
 
 
-def load_cluster(path: str | Path) -> Cluster:
+def load_cluster(path: str | Path) -> ClusterSpec:
     """A cluster from a JSON or TOML file (see the module docstring)."""
     path = Path(path)
     data = _read_table(path, "cluster")
-    return Cluster.from_dict(data, name=path.stem)
+    return ClusterSpec.from_dict(data, name=path.stem)
 
 
 def _read_table(path: Path, what: str) -> dict:

@@ -30,8 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ...cli.args import UsageError, positive_int_arg, run_guarded, nonneg_int_arg
-from .cluster import CLUSTER_PRESETS, MODELS, Cluster, cluster_preset, load_cluster, load_model
+from ...cli.args import UsageError, positive_int_arg, run_guarded, nonneg_int_arg, writable_dir
+from .cluster import CLUSTER_PRESETS, MODELS, ClusterSpec, cluster_preset, load_cluster, load_model
 
 DESCRIPTION = ("Replay a router trace on described clusters and model each balancing policy's "
                "step time: static, EPLB-style periodic re-planning, moebalance periodic (with "
@@ -104,7 +104,7 @@ def _straggler_arg(text: str) -> tuple[int, int, float]:
     return step, device, factor
 
 
-def _clusters(spec: str, stragglers=()) -> list[Cluster]:
+def _clusters(spec: str, stragglers=()) -> list[ClusterSpec]:
     from .. import workloads
 
     out = []
@@ -127,7 +127,7 @@ def _clusters(spec: str, stragglers=()) -> list[Cluster]:
     return out
 
 
-def _step_model(cluster: Cluster, model):
+def _step_model(cluster: ClusterSpec, model):
     from .stepmodel import StepModel
 
     try:
@@ -136,7 +136,7 @@ def _step_model(cluster: Cluster, model):
         raise UsageError(f"--cluster {cluster.name}: {err}") from None
 
 
-def _trace_for(args, cluster: Cluster, model, steps: int, warmup: int):
+def _trace_for(args, cluster: ClusterSpec, model, steps: int, warmup: int):
     """(counts [T, L, E], model for its shape, description)."""
     from .traces import generate_trace, read_trace
 
@@ -272,12 +272,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .policies import default_policies
     from .run import move_price, simulate
 
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: cannot create it ({exc.strerror}); pick a writable "
-                         f"folder") from None
+    out = writable_dir(args.out, "--out")
     clusters = _clusters(args.cluster, args.straggler)
     try:
         base_model = load_model(args.model)

@@ -193,8 +193,8 @@ class MoebalancePeriodic(_Periodic):
         self._measured_to = max(self._measured_to, t)
         if ran_GT.shape[1] == 0:
             return False
-        figures_GT2 = np.stack([np.ones_like(ran_GT), 1.0 / ran_GT], axis=-1)
-        self.tracker.update(figures_GT2)
+        figures_GTP = np.stack([np.ones_like(ran_GT), 1.0 / ran_GT], axis=-1)
+        self.tracker.update(figures_GTP)
         if not self.tracker.moved(self.topology.speed):
             return False
         self.topology = Topology([Device(speed=float(s), slots=d.slots, node=d.node)

@@ -21,7 +21,7 @@ import numpy as np
 from ...placement import Placement
 from ...planner import MoveCost, resplit_device_loads
 from ...topology import Topology
-from .cluster import Cluster, ModelShape
+from .cluster import ClusterSpec, ModelShape
 from .policies import Policy
 from .stepmodel import StepModel
 
@@ -78,7 +78,7 @@ class PolicyRun:
 class Simulation:
     """Every policy's run on one trace, cluster and model."""
 
-    cluster: Cluster
+    cluster: ClusterSpec
     model: ModelShape
     topology: Topology
     runs: list[PolicyRun]
@@ -146,7 +146,7 @@ def _device_loads(policy: Policy, w_BLE: np.ndarray, placement: Placement | None
     return _static_loads(w_BLE, placement, topology.num_devices)
 
 
-def simulate(counts_TLE: np.ndarray, cluster: Cluster, model: ModelShape,
+def simulate(counts_TLE: np.ndarray, cluster: ClusterSpec, model: ModelShape,
              policies: list[Policy], *, warmup: int, shown_layer: int | None = None,
              progress=None, trace: str = "") -> Simulation:
     """Run every policy over ``counts_TLE[warmup:]`` (the first ``warmup`` steps are history).

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._check import positive_int
+
 from ..workloads import _cap_shares, synthetic_loads, trace_loads, trace_names
 
 __all__ = ["Dynamics", "fit_dynamics", "default_dynamics", "generate_trace", "read_trace"]
@@ -171,8 +173,7 @@ def generate_trace(steps: int, *, num_layers: int = 58, num_experts: int = 256,
     scaled by ``sqrt(dynamics.sequences / sequences)``: a step's load is a sum over its
     sequences, and what one batch's contents add to an expert's share averages out over
     more of them. The drift (the router learning) is not scaled."""
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    positive_int(steps, "steps")
     d = dynamics or default_dynamics()
     if sequences is not None and (not np.isfinite(sequences) or sequences <= 0):
         raise ValueError(f"sequences must be a number > 0 (sequences per step) or None, got "

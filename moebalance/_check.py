@@ -1,21 +1,40 @@
-"""Conversion and checking of user-supplied values at the public boundary: arrays of loads and
-the counts (layers, experts, tokens, ...) that size them."""
+"""Boundary checks shared by every module: integers (counts, seeds, indices) and arrays of loads.
+
+One behaviour everywhere: a value of the wrong type raises TypeError, a value of the right type
+out of range raises ValueError, and both messages name the argument and what it must be.
+Integers are Python or numpy integers; bools are not integers here, nor are floats such as 4.0.
+For integers typed on a command line, see :mod:`moebalance.cli.args`."""
 
 from __future__ import annotations
 
 import numpy as np
 
 
-def positive_int(value, name: str) -> int:
-    """``value`` as an int after checking that it is an integer >= 1 (bools are not).
-
-    Raises TypeError for anything but a Python or numpy integer, ValueError below 1; both name
-    ``name``. For integers typed on a command line, see :mod:`moebalance.cli.args`.
-    """
+def integer(value, name: str, minimum: int = 1) -> int:
+    """``value`` as an int after checking that it is an integer >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int after checking that it is an integer >= 1."""
+    return integer(value, name, 1)
+
+
+def optional_positive_int(value, name: str) -> int | None:
+    """None, or ``value`` checked as by :func:`positive_int`."""
+    return None if value is None else integer(value, name, 1)
+
+
+def index(value, name: str, stop: int) -> int:
+    """``value`` as an int after checking that it is an integer in ``[0, stop)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer in [0, {stop}), got {type(value).__name__} {value!r}")
+    if not 0 <= value < stop:
+        raise ValueError(f"{name} must be in [0, {stop}), got {value!r}")
     return int(value)
 
 
@@ -77,29 +96,3 @@ def as_loads(loads, name: str = "loads", num_experts: int | None = None) -> np.n
             f"[layer {bad[0]}, expert {bad[1]}]"
         )
     return out
-
-
-def planning_loads(loads, topology) -> np.ndarray:
-    """Check ``topology`` and ``loads`` [L, E] together for planning; return loads as float64.
-
-    Raises TypeError for a topology that is not a moebalance.Topology, ValueError when the
-    topology has fewer slots than experts or a device with more slots than there are experts.
-    """
-    from .topology import Topology
-
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    w = as_loads(loads, "loads")
-    E, S = w.shape[1], topology.num_slots
-    if S < E:
-        raise ValueError(
-            f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "
-            f"devices or slots per device (slots >= num_experts)"
-        )
-    if int(topology.slots.max()) > E:
-        g = int(np.argmax(topology.slots))
-        raise ValueError(
-            f"device {g} has {int(topology.slots[g])} slots but there are only {E} experts and a "
-            f"device holds at most one replica of each; give it at most {E} slots"
-        )
-    return w
