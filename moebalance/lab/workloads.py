@@ -47,7 +47,7 @@ from .._check import as_loads, integer, positive_int
 from ..topology import Device, Topology
 
 __all__ = [
-    "SKEWS", "Skew", "synthetic_loads", "drift", "trace_names", "trace_path", "trace_loads",
+    "SKEWS", "Skew", "synthetic_loads", "cap_shares", "drift", "trace_names", "trace_path", "trace_loads",
     "Cluster", "CLUSTERS", "cluster", "trace_clusters",
 ]
 
@@ -76,7 +76,7 @@ SKEWS: dict[str, Skew] = {
 }
 
 
-def _cap_shares(p_LE: np.ndarray, cap: float) -> np.ndarray:
+def cap_shares(p_LE: np.ndarray, cap: float) -> np.ndarray:
     """Clip each row of ``p_LE [L, E]`` (rows sum to 1) at ``cap`` and hand the excess to the
     unclipped entries in proportion, repeating until none exceeds it. Needs ``cap * E >= 1``."""
     p = p_LE.copy()
@@ -134,7 +134,7 @@ def synthetic_loads(skew: str | Skew = "moderate", seed: int = 0, *, num_layers:
     heat_LE = np.repeat(rng.lognormal(0.0, skew.group_sigma, (L, groups)), E // groups, axis=1)
     noise_LE = rng.lognormal(0.0, skew.noise_sigma, (L, E))
     w = by_rank[ranks_LE] * heat_LE * noise_LE
-    p = _cap_shares(w / w.sum(axis=1, keepdims=True), 1.0 / K)
+    p = cap_shares(w / w.sum(axis=1, keepdims=True), 1.0 / K)
     return rng.multinomial(T * K, p).astype(np.float64)
 
 

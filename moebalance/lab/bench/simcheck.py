@@ -101,7 +101,7 @@ def pair_counts(counts_E: np.ndarray, pairs: int, cap: int) -> np.ndarray:
         [E] int64 summing to ``pairs``: shares capped at ``cap / pairs`` (the excess to the
         others in proportion), then rounded by largest remainder.
     """
-    from ..workloads import _cap_shares
+    from ..workloads import cap_shares
 
     c = np.asarray(counts_E, dtype=np.float64)
     if c.ndim != 1 or c.size == 0 or not np.all(np.isfinite(c)) or np.any(c < 0):
@@ -111,7 +111,7 @@ def pair_counts(counts_E: np.ndarray, pairs: int, cap: int) -> np.ndarray:
         raise ValueError(f"{pairs} pairs cannot go to {c.size} experts of at most {cap} each: "
                          f"give more experts or fewer pairs per token")
     share = c / c.sum() if c.sum() > 0 else np.full(c.size, 1.0 / c.size)
-    share = _cap_shares(share[None], cap / pairs)[0]
+    share = cap_shares(share[None], cap / pairs)[0]
     exact = np.minimum(share * pairs, cap)
     out = np.floor(exact).astype(np.int64)
     short = int(pairs - out.sum())

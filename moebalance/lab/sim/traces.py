@@ -40,7 +40,7 @@ import numpy as np
 
 from ..._check import positive_int
 
-from ..workloads import _cap_shares, synthetic_loads, trace_loads, trace_names
+from ..workloads import cap_shares, synthetic_loads, trace_loads, trace_names
 
 __all__ = ["Dynamics", "fit_dynamics", "default_dynamics", "generate_trace", "read_trace"]
 
@@ -199,7 +199,7 @@ def generate_trace(steps: int, *, num_layers: int = 58, num_experts: int = 256,
         spike = bursts * rng.choice([-1.0, 1.0], size=(L, E)) * d.burst_size * sigma_step
         z = log_base + u + r + spike
         p = np.exp(z - z.max(axis=1, keepdims=True))
-        p = _cap_shares(p / p.sum(axis=1, keepdims=True), 1.0 / top_k)
+        p = cap_shares(p / p.sum(axis=1, keepdims=True), 1.0 / top_k)
         for layer in range(L):
             out[t, layer] = rng.multinomial(pairs, p[layer])
     return out
