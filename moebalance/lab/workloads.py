@@ -47,7 +47,8 @@ from .._check import as_loads, integer, positive_int
 from ..topology import Device, Topology
 
 __all__ = [
-    "SKEWS", "Skew", "synthetic_loads", "cap_shares", "drift", "trace_names", "trace_path", "trace_loads",
+    "SKEWS", "Skew", "synthetic_loads", "cap_shares", "drift", "trace_names", "trace_path",
+    "trace_loads",
     "Cluster", "CLUSTERS", "cluster", "trace_clusters",
 ]
 
