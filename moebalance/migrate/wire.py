@@ -9,6 +9,12 @@ ever match a receive of another (:data:`TAG_SPACES`, checked disjoint by the tes
 * ``grad_sync``: replica gradients, ``2**24 + (layer tag * 16 + kind) * 2 + phase``;
 * ``migration``: expert rows, ``2**26 + (migration % 1024) * 1024 * 64 + layer * 64 + kind``,
   unique per migration so that a message of an abandoned migration never matches a later one.
+
+Agreement. :func:`same_everywhere` is the one check that every rank holds the same thing (a
+placement, a migration plan): one all-reduce of two integers. The migration and the Rebalancer use
+it. The dispatcher checks its step's agreement (row width, dtype, bad ids) inside the count
+exchange it makes anyway, so a step pays no collective of its own for it; errors raised on some
+ranks only travel through :mod:`moebalance.collective_errors`.
 """
 
 from __future__ import annotations
