@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.dispatch import main
+from moebalance.lab.bench.dispatch import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.planner import main
+from moebalance.lab.bench.planner import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.pretrained import main
+from moebalance.lab.bench.pretrained import main
 
 if __name__ == "__main__":
     sys.exit(main())

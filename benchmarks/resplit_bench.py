@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.resplit import main
+from moebalance.lab.bench.resplit import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,7 @@
 
 import sys
 
-from moebalance.simulation.command import main
+from moebalance.lab.sim.command import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

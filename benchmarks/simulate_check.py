@@ -7,7 +7,7 @@ moebalance/benchmarks/simcheck.py.
 
 import sys
 
-from moebalance.benchmarks.simcheck import main
+from moebalance.lab.bench.simcheck import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.train import main
+from moebalance.lab.bench.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

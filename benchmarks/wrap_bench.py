@@ -5,7 +5,7 @@
 
 import sys
 
-from moebalance.benchmarks.wrap import main
+from moebalance.lab.bench.wrap import main
 
 if __name__ == "__main__":
     sys.exit(main())

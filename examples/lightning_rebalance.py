@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import moebalance as mb
 from moebalance.launch import launch, under_torchrun
-from moebalance.models import TextBatches, tiny_hf_moe
+from moebalance.lab.models import TextBatches, tiny_hf_moe
 
 from _step_imbalance import StepImbalance
 

@@ -1,6 +1,6 @@
 """Train a small MoE language model on 4 gloo ranks of unlike speed, rebalancing it live.
 
-The model (moebalance.models.MoELanguageModel: 2 attention + MoE blocks, 8 experts, top-2) reads
+The model (moebalance.lab.models.MoELanguageModel: 2 attention + MoE blocks, 8 experts, top-2) reads
 bytes of the Python standard library's source. The devices have speeds 1, 1, 0.5, 0.5 and 3
 expert slots each. Every --every steps a Rebalancer re-plans from the tracked loads (moving few
 experts) and migrates weights and AdamW state beside the next step. Printed: loss and the
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.checkpoint import expert_state_dict
-from moebalance.expert_slots import moe_layers
+from moebalance.nn.checkpoint import expert_state_dict
+from moebalance.nn.slots import moe_layers
 from moebalance.frameworks import active_ddp
 from moebalance.launch import launch, under_torchrun
-from moebalance.models import MoELanguageModel, TextBatches, lm_loss
+from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 
 from _step_imbalance import bought
 

@@ -4,11 +4,11 @@ from .backends import backends, force_backend, using_backend
 from .metrics import balancedness, imbalance, summary_imbalance
 from .placement import Placement
 from .topology import Device, Topology
-from .tracker import LoadTracker, attach
+from .tracker import LoadTracker
 from .dispatch import Dispatcher
 from .nn import ExpertParallelMoE
 from .speeds import SpeedTracker
-from .expert_slots import (apply_placement, clip_grad_norm_, current_placement,
+from .nn.slots import (apply_placement, clip_grad_norm_, current_placement,
                            reduce_replica_gradients)
 from .migrate import MigrationError, plan_migration
 from .collective_errors import GroupError
@@ -30,10 +30,10 @@ __all__ = [
 
 from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
-from .integrations import (Rebalancer, from_pretrained, save_pretrained,  # noqa: E402  (top floor)
+from .integrations import (Rebalancer, attach, from_pretrained, save_pretrained,  # noqa: E402
                            unwrap, wrap)
-from . import checkpoint  # noqa: E402,F401
-from .elastic import replan_onto  # noqa: E402
+from . import checkpoint  # noqa: E402,F401  (the old path; nn.checkpoint is the module)
+from .planner.elastic import replan_onto  # noqa: E402
 
 __all__ += ["plan", "rebalance_experts", "Rebalancer", "wrap", "unwrap", "save_pretrained",
             "from_pretrained",

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ._check import positive_int
+
 __all__ = ["launch", "under_torchrun"]
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -79,8 +81,7 @@ def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str 
             with more; spawned ranks also get OMP_NUM_THREADS and NUMBA_NUM_THREADS unless set);
             None leaves the defaults.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    world_size = positive_int(world_size, "world_size")
     if under_torchrun():
         _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, timeout_s,
              threads, fn, args)

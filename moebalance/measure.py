@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._check import positive_int
+
 __all__ = ["measure_devices", "node_key", "free_memory"]
 
 NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
@@ -70,7 +72,7 @@ def free_memory(device: torch.device, ranks_on_node: int) -> int:
 
 class _StandIn:
     """SwiGLU experts of a given shape (``gate_up [Ls, 2F, D]``, ``down [Ls, D, F]``), for
-    timing without a layer; called like :class:`moebalance.nn.SlotExperts`."""
+    timing without a layer; called like :class:`moebalance.nn.moe.SlotExperts`."""
 
     def __init__(self, hidden: int, ffn: int, dtype, device) -> None:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -87,12 +89,6 @@ class _StandIn:
         return torch.cat(outs)
 
 
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def _experts_of(layer, hidden_size, ffn_hidden_size, dtype, device):
     """(callable experts, D, F, dtype, device, number of slots, num_experts or None)."""
     if layer is not None:
@@ -106,7 +102,7 @@ def _experts_of(layer, hidden_size, ffn_hidden_size, dtype, device):
     if hidden_size is None or ffn_hidden_size is None:
         raise ValueError("give layer= (an ExpertParallelMoE) or both hidden_size= and "
                          "ffn_hidden_size= for the experts to time")
-    D, Fd = _positive(hidden_size, "hidden_size"), _positive(ffn_hidden_size, "ffn_hidden_size")
+    D, Fd = positive_int(hidden_size, "hidden_size"), positive_int(ffn_hidden_size, "ffn_hidden_size")
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
@@ -170,7 +166,7 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
     Args:
         group: process group (None: the default group, or this process alone when
             torch.distributed is not initialised).
-        layer: an :class:`~moebalance.nn.ExpertParallelMoE` (or its ``experts``) whose experts
+        layer: an :class:`~moebalance.nn.moe.ExpertParallelMoE` (or its ``experts``) whose experts
             are timed at their shape, dtype and device; None: ``hidden_size`` (D) and
             ``ffn_hidden_size`` (F) SwiGLU experts of ``dtype`` (float32) on ``device``.
         tokens: rows per timed forward. warmup, repeats: untimed and timed forwards.
@@ -195,8 +191,8 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
     keys = _gather(node_key(), group, world)
     local: dict = {"error": None}
     try:
-        tokens, warmup, repeats = (_positive(tokens, "tokens"), int(warmup),
-                                   _positive(repeats, "repeats"))
+        tokens, warmup, repeats = (positive_int(tokens, "tokens"), int(warmup),
+                                   positive_int(repeats, "repeats"))
         if warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         experts, D, Fd, dtype, dev, timed_slots, layer_experts = _experts_of(
@@ -206,9 +202,9 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
             if len(slots) != world:
                 raise ValueError(f"slots must be one int for every rank or a list of {world} "
                                  f"ints, got {len(slots)} entries")
-            local["slots"] = _positive(slots[rank], f"slots[{rank}]")
+            local["slots"] = positive_int(slots[rank], f"slots[{rank}]")
         elif slots is not None:
-            local["slots"] = _positive(slots, "slots")
+            local["slots"] = positive_int(slots, "slots")
         else:
             if cap is None:
                 raise ValueError("give slots= or num_experts= (slots derived from memory are "
@@ -219,12 +215,12 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
             per_slot = 3 * D * Fd * (2 * param_bytes + float(optimizer_bytes_per_param))
             budget = (int(memory) if memory is not None
                       else int(free_memory(dev, keys.count(keys[rank])) * (1 - reserve)))
-            fit = int(budget // (per_slot * _positive(num_layers, "num_layers")))
+            fit = int(budget // (per_slot * positive_int(num_layers, "num_layers")))
             if fit < 1:
                 raise ValueError(f"{budget} bytes for expert slots hold no slot of {num_layers} "
                                  f"layers x {per_slot:.0f} bytes; give memory= or slots=, or "
                                  f"lower reserve")
-            local.update(slots=min(fit, _positive(cap, "num_experts")), memory=budget)
+            local.update(slots=min(fit, positive_int(cap, "num_experts")), memory=budget)
         local["in_turn"] = dev.type == "cpu" if in_turn is None else bool(in_turn)
     except (TypeError, ValueError) as exc:
         local = {"error": str(exc), "kind": type(exc).__name__}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import as_loads
+from ._check import as_loads
 from .placement import Placement
 from .topology import Topology
 

@@ -2,6 +2,22 @@
 
 Shapes: L layers, S physical slots (grouped by device, in device order), E logical experts,
 X the most replicas any expert has.
+
+Glossary (every module uses these words in these senses):
+
+* **slot**: one row of a device's expert storage for one layer (``slots`` per device in the
+  topology). Slots are storage; a placement says what each holds. Physical ids run 0..S-1.
+* **replica**: one slot holding a given logical expert; an expert has ``replicas[l, e] >= 1``.
+* **share**: the fraction of an expert's tokens its replica takes (``share[l, s]``; the shares
+  of one expert sum to 1). A replica with share 0 holds the expert but receives no tokens.
+* **holder**: a rank holding at least one replica of an expert; gradients of a replicated
+  expert are summed among its holders only.
+* **piece**: the part of an expert's load one replica carries (``share * load``), the unit the
+  planner moves between devices.
+* **valve**: a replica whose share the planner sets to bring its device to its target load
+  exactly (the pieces that close the gaps left by whole experts).
+* **share slack**: how much the other replicas of an expert can take over of a replica's share
+  without passing their devices' targets; a slot with slack can be given up.
 """
 
 from __future__ import annotations
@@ -157,7 +173,7 @@ class Placement:
 
     def device_loads(self, loads) -> np.ndarray:
         """[L, G] float64: tokens each device receives under this placement for ``loads [L, E]``."""
-        from ._arrays import as_loads
+        from ._check import as_loads
 
         w = as_loads(loads, "loads", self.num_experts)
         if w.shape[0] != self.num_layers:

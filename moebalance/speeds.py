@@ -15,7 +15,8 @@ Two ways to learn each rank's expert speed (relative tokens/s, the ``speed`` of 
 
 Work is counted in expert rows: a forward row is 1, the backward of a row 2 (two GEMMs of the
 forward's size per forward GEMM), so a step's speed ``work / seconds`` is comparable whatever
-mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size.
+mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size, T steps,
+P = 2 figures per step (work, seconds).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._check import positive_int
 from .topology import Device, Topology
 
 __all__ = ["ExpertTimer", "SpeedTracker"]
@@ -105,7 +107,7 @@ class _BackwardEnd(torch.autograd.Function):
 class ExpertTimer:
     """Times an expert-parallel layer's expert computation, forward and backward.
 
-    :class:`~moebalance.nn.ExpertParallelMoE` calls :meth:`begin` on the rows its slots receive
+    :class:`~moebalance.nn.moe.ExpertParallelMoE` calls :meth:`begin` on the rows its slots receive
     and :meth:`end` on their outputs when its ``expert_timer`` is set (one timer may serve every
     layer of a model). :meth:`collect` returns the work and seconds of the windows finished
     since the last call; on a GPU a window whose end event has not completed stays for a later
@@ -157,12 +159,6 @@ def _fraction(value, name: str, *, low_open: bool = True) -> float:
     return value
 
 
-def _whole(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 class SpeedTracker:
     """Each rank's expert speed, measured every step and smoothed; the Rebalancer's speed trigger.
 
@@ -186,13 +182,13 @@ class SpeedTracker:
 
     def __init__(self, every: int = 10, *, smoothing: float = 0.3, min_change: float = 0.0,
                  window: int = 1, horizon: int = 100, move_price_s: float | None = None) -> None:
-        self.every = _whole(every, "every")
+        self.every = positive_int(every, "every")
         self.smoothing = _fraction(smoothing, "smoothing")
         self.min_change = float(min_change)
         if not np.isfinite(self.min_change) or self.min_change < 0:
             raise ValueError(f"min_change must be a fraction >= 0 (e.g. 0.1), got {min_change!r}")
-        self.window = _whole(window, "window")
-        self.horizon = _whole(horizon, "horizon")
+        self.window = positive_int(window, "window")
+        self.horizon = positive_int(horizon, "horizon")
         if move_price_s is not None and not (np.isfinite(move_price_s) and move_price_s >= 0):
             raise ValueError(f"move_price_s must be seconds >= 0 or None, got {move_price_s!r}")
         self.move_price_s = None if move_price_s is None else float(move_price_s)
@@ -206,9 +202,9 @@ class SpeedTracker:
 
     def attach(self, model: torch.nn.Module) -> "SpeedTracker":
         """Time the expert computation of every expert-parallel layer in ``model``
-        (:class:`~moebalance.nn.ExpertParallelMoE`, and the layers ``mb.wrap`` builds);
+        (:class:`~moebalance.nn.moe.ExpertParallelMoE`, and the layers ``mb.wrap`` builds);
         returns self."""
-        from .expert_slots import moe_layers
+        from .nn.slots import moe_layers
 
         layers = moe_layers(model)
         if not layers:
@@ -235,21 +231,21 @@ class SpeedTracker:
             everyone = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, local, group=group)
             steps = min(len(x) for x in everyone)
-            figures_GT2 = np.stack([x[:steps] for x in everyone])
+            figures_GTP = np.stack([x[:steps] for x in everyone])
         else:
-            figures_GT2 = local[None]
-        self.update(figures_GT2)
+            figures_GTP = local[None]
+        self.update(figures_GTP)
 
-    def update(self, figures_GT2: np.ndarray) -> None:
+    def update(self, figures_GTP: np.ndarray) -> None:
         """Fold in per-step figures ``[G, T, 2]`` (work, seconds) of every rank, step by step.
 
         A rank without timed work in a step keeps its speed; the average starts at the first
         step where every rank has one.
         """
-        figures_GT2 = np.asarray(figures_GT2, dtype=np.float64)
-        work_GT, seconds_GT = figures_GT2[..., 0], figures_GT2[..., 1]
+        figures_GTP = np.asarray(figures_GTP, dtype=np.float64)
+        work_GT, seconds_GT = figures_GTP[..., 0], figures_GTP[..., 1]
         timed = (work_GT > 0) & (seconds_GT > 0)
-        if figures_GT2.shape[1]:
+        if figures_GTP.shape[1]:
             self.expert_s = float(seconds_GT.max(axis=0).mean())
         a = self.smoothing
         for t in range(work_GT.shape[1]):
@@ -285,7 +281,7 @@ class SpeedTracker:
         measured speeds: (new topology, the loads to plan for) if the expected saving over
         ``horizon`` steps beats the moves' price, else None. Collective when the speeds moved
         (it reads the reduced loads); every rank decides alike from the same figures."""
-        from .expert_slots import current_placement
+        from .nn.slots import current_placement
         from .metrics import summary_imbalance
         from .planner import plan
 

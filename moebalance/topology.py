@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ._check import as_loads, positive_int
+
 
 def _is_whole(x) -> bool:
     """True for an integer value (int, numpy integer, or a float such as 4.0); False for bools,
@@ -106,13 +108,10 @@ class Topology:
     def uniform(cls, num_devices: int, slots_per_device: int, devices_per_node: int | None = None,
                 speed: float = 1.0) -> "Topology":
         """``num_devices`` identical devices, ``devices_per_node`` to a node (default: one node)."""
-        if isinstance(num_devices, bool) or int(num_devices) != num_devices or num_devices < 1:
-            raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
+        num_devices = positive_int(num_devices, "num_devices")
         if devices_per_node is None:
             devices_per_node = int(num_devices)
-        if (isinstance(devices_per_node, bool) or int(devices_per_node) != devices_per_node
-                or devices_per_node < 1):
-            raise ValueError(f"devices_per_node must be an integer >= 1, got {devices_per_node!r}")
+        devices_per_node = positive_int(devices_per_node, "devices_per_node")
         return cls([Device(speed=speed, slots=slots_per_device, node=g // int(devices_per_node))
                     for g in range(int(num_devices))])
 
@@ -230,3 +229,27 @@ def _runs(values: np.ndarray) -> str:
 
 
 _REPR_RUNS = 8
+
+
+def planning_loads(loads, topology) -> np.ndarray:
+    """Check ``topology`` and ``loads`` [L, E] together for planning; return loads as float64.
+
+    Raises TypeError for a topology that is not a moebalance.Topology, ValueError when the
+    topology has fewer slots than experts or a device with more slots than there are experts.
+    """
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    w = as_loads(loads, "loads")
+    E, S = w.shape[1], topology.num_slots
+    if S < E:
+        raise ValueError(
+            f"topology has {S} slots for {E} experts: every expert needs at least one slot; add "
+            f"devices or slots per device (slots >= num_experts)"
+        )
+    if int(topology.slots.max()) > E:
+        g = int(np.argmax(topology.slots))
+        raise ValueError(
+            f"device {g} has {int(topology.slots[g])} slots but there are only {E} experts and a "
+            f"device holds at most one replica of each; give it at most {E} slots"
+        )
+    return w

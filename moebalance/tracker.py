@@ -1,6 +1,7 @@
 """Per-expert token counts, gathered on the device while the model runs.
 
-Shapes: L MoE layers, E logical experts per layer, T tokens, K experts chosen per token.
+Shapes: L MoE layers, E logical experts per layer, T tokens, K experts chosen per token,
+B = E + 2 count bins (the experts, dropped ids, invalid ids), V = E + 1 (the experts, invalid ids).
 
 A :class:`LoadTracker` keeps its counts where the router's ids already live (GPU or CPU) and
 updates them with ``index_add_`` only, so recording never waits on the host: no ``.item()``, no
@@ -8,7 +9,8 @@ updates them with ``index_add_`` only, so recording never waits on the host: no 
 :meth:`LoadTracker.snapshot`, which reduces them over a process group and copies them out
 asynchronously (pinned memory, ``non_blocking``) -- the one moment a caller chooses to wait.
 
-:func:`attach` finds the routers of a model and hooks them::
+:func:`moebalance.attach` (:mod:`moebalance.integrations.routers`) finds the routers of a
+model and hooks them::
 
     tracker = moebalance.attach(model, window=100)   # or attach(model, LoadTracker(...))
     for batch in data:
@@ -16,18 +18,6 @@ asynchronously (pinned memory, ``non_blocking``) -- the one moment a caller choo
         tracker.step()                                # close the step: window / EMA update
     loads_LE = tracker.snapshot()                     # np.ndarray [L, E], summed over ranks
     tracker.detach()
-
-Which modules count as routers:
-
-* transformers 5.x MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and
-  others built the same way): a child named ``gate`` or ``router`` of a module that also has an
-  ``experts`` child. Its forward returns ``(router_logits [T,E], top_k_weights [T,K],
-  top_k_index [T,K])`` and the hook records ``top_k_index`` -- the experts the model actually
-  used. Top-k is never recomputed from the logits: DeepSeek-V3 chooses with a bias correction and
-  group limits that the logits do not show.
-* any module whose class sets ``moebalance_router = True`` (moebalance's own
-  ``ExpertParallelMoE`` router does). Such a router must return the same triple and have an
-  integer attribute ``num_experts``.
 
 Ids outside ``[0, E)``: ``-1`` marks a dropped token (capacity-limited routers use it) and is
 ignored. Any other out-of-range id is counted in a separate "invalid" bin instead of an expert,
@@ -46,14 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._arrays import positive_int
+from ._check import positive_int
 from .collective_errors import Attempt, GroupValueError, agree
 
-# Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
-ROUTER_CHILD_NAMES = ("gate", "router")
-# Config fields that hold the number of routed experts, by model family.
-_CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-# Router module -> the tracker attach() hooked it for: a second tracker on the same router would
+# Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second tracker on the same router would
 # count every token twice over two trackers without a word. Weak both ways: it keeps neither alive.
 _TRACKER_OF_ROUTER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -65,9 +51,9 @@ class LoadSnapshot:
     the handle is returned; only :meth:`wait` blocks.
     """
 
-    def __init__(self, loads_LE1: torch.Tensor, work=None, event=None, layer_names=None,
+    def __init__(self, loads_LV: torch.Tensor, work=None, event=None, layer_names=None,
                  nonfinite_G: torch.Tensor | None = None):
-        self._loads_LE1 = loads_LE1  # last column: invalid ids per layer
+        self._loads_LV = loads_LV  # last column: invalid ids per layer
         self._nonfinite_G = nonfinite_G   # NaN/inf loads of each rank (a view of the same buffer)
         self._work = work
         self._event = event
@@ -102,7 +88,7 @@ class LoadSnapshot:
                         f"{int(bad.sum())} NaN or inf values; reset() the tracker there or "
                         f"load a state_dict with finite counts", "LoadTracker.snapshot",
                         [(g, f"{int(bad[g])} non-finite loads") for g in ranks])
-            host = self._loads_LE1.numpy()
+            host = self._loads_LV.numpy()
             invalid_L = host[:, -1]
             if np.any(invalid_L > 0):
                 layer = int(np.flatnonzero(invalid_L > 0)[0])
@@ -177,7 +163,7 @@ class LoadTracker:
         # torch.inference_mode(), or later in-place updates during training would be refused.
         with torch.inference_mode(False), torch.no_grad():
             # Columns: E experts, then dropped (-1) ids, then invalid ids.
-            self._live_LE2 = torch.zeros(L, E + 2, dtype=torch.int64, device=device)
+            self._live_LB = torch.zeros(L, E + 2, dtype=torch.int64, device=device)
             self._closed_LE = torch.zeros(L, E, dtype=torch.int64, device=device)  # cumulative view
             self._invalid_L = torch.zeros(L, dtype=torch.int64, device=device)  # closed steps
             self._ring_WLE = (torch.zeros(self.window, L, E, dtype=torch.int64, device=device)
@@ -243,7 +229,7 @@ class LoadTracker:
             in_range = (ids_N >= 0) & (ids_N < E)
             # -1 -> column E (dropped), any other out-of-range id -> column E+1 (invalid).
             bin_N = torch.where(in_range, ids_N, torch.where(ids_N == -1, E, E + 1))
-            self._live_LE2[layer].index_add_(0, bin_N, torch.ones_like(bin_N))
+            self._live_LB[layer].index_add_(0, bin_N, torch.ones_like(bin_N))
             if self.check:
                 bad = int((~in_range & (ids_N != -1)).sum())  # host sync: debugging mode only
                 if bad:
@@ -259,7 +245,7 @@ class LoadTracker:
         to keep a value.
         """
         self._require_device()
-        return self._live_LE2[:, : self.num_experts]
+        return self._live_LB[:, : self.num_experts]
 
     def step(self) -> torch.Tensor:
         """Close the current step: fold its counts into the window / EMA / cumulative view.
@@ -271,9 +257,9 @@ class LoadTracker:
         self._require_device()
         E = self.num_experts
         with torch.no_grad():
-            live_LE2 = self._live_LE2
-            step_LE = live_LE2[:, :E].clone()
-            self._invalid_L += live_LE2[:, E + 1]
+            live_LB = self._live_LB
+            step_LE = live_LB[:, :E].clone()
+            self._invalid_L += live_LB[:, E + 1]
             self._closed_LE += step_LE
             if self._ring_WLE is not None:
                 self._ring_WLE[self._steps % self.window].copy_(step_LE)
@@ -282,7 +268,7 @@ class LoadTracker:
                     self._ema_LE.copy_(step_LE)
                 else:
                     self._ema_LE.mul_(self.ema).add_(step_LE, alpha=1.0 - self.ema)
-            live_LE2.zero_()
+            live_LB.zero_()
         self._steps += 1
         return step_LE
 
@@ -302,7 +288,7 @@ class LoadTracker:
                 return self._ring_WLE.sum(0).to(torch.float64)
             if self._ema_LE is not None:
                 return self._ema_LE.clone()
-            return (self._closed_LE + self._live_LE2[:, : self.num_experts]).to(torch.float64)
+            return (self._closed_LE + self._live_LB[:, : self.num_experts]).to(torch.float64)
 
     def snapshot(self, group=None, async_op: bool = False):
         """The tracked load summed over the ranks of ``group``, copied to the host.
@@ -328,11 +314,11 @@ class LoadTracker:
             # Nothing recorded here yet: contribute zeros, on a device the backend can reduce.
             nccl = distributed and dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            loads_LE1 = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
+            loads_LV = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
         else:
             with torch.no_grad():
-                invalid_L = (self._invalid_L + self._live_LE2[:, self.num_experts + 1]).to(torch.float64)
-                loads_LE1 = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
+                invalid_L = (self._invalid_L + self._live_LB[:, self.num_experts + 1]).to(torch.float64)
+                loads_LV = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
         work = nonfinite_G = None
         if distributed:
             # Trackers of another shape on one rank would meet in an all-reduce of mismatched
@@ -343,18 +329,18 @@ class LoadTracker:
                                         "tracker num_experts": self.num_experts})
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             with torch.no_grad():
-                mine_G = loads_LE1.new_zeros(world)
-                mine_G[rank] = (~torch.isfinite(loads_LE1)).sum()
-                flat = torch.cat([loads_LE1.reshape(-1), mine_G])
+                mine_G = loads_LV.new_zeros(world)
+                mine_G[rank] = (~torch.isfinite(loads_LV)).sum()
+                flat = torch.cat([loads_LV.reshape(-1), mine_G])
             work = dist.all_reduce(flat, group=group, async_op=True)
-            loads_LE1 = flat[:-world].view(self.num_layers, self.num_experts + 1)
+            loads_LV = flat[:-world].view(self.num_layers, self.num_experts + 1)
             nonfinite_G = flat[-world:]
         event = None
-        if loads_LE1.is_cuda:
+        if loads_LV.is_cuda:
             if work is not None:
                 work.wait()  # NCCL: orders the copy after the reduction on the stream, host runs on
                 work = None
-            flat = loads_LE1 if nonfinite_G is None else torch.cat([loads_LE1.reshape(-1),
+            flat = loads_LV if nonfinite_G is None else torch.cat([loads_LV.reshape(-1),
                                                                     nonfinite_G])
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
@@ -363,9 +349,9 @@ class LoadTracker:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(flat.device))
             L, E1 = self.num_layers, self.num_experts + 1
-            loads_LE1 = host[:L * E1].view(L, E1)
+            loads_LV = host[:L * E1].view(L, E1)
             nonfinite_G = None if nonfinite_G is None else host[L * E1:]
-        handle = LoadSnapshot(loads_LE1, work=work, event=event,
+        handle = LoadSnapshot(loads_LV, work=work, event=event,
                               layer_names=self.layer_names or None, nonfinite_G=nonfinite_G)
         return handle if async_op else handle.wait()
 
@@ -374,7 +360,7 @@ class LoadTracker:
         state = {"num_layers": self.num_layers, "num_experts": self.num_experts,
                  "window": self.window, "ema": self.ema, "steps": self._steps}
         if self.device is not None:
-            for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+            for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
                 value = getattr(self, name)
                 if value is not None:
                     state[name] = value.detach().cpu().clone()
@@ -389,12 +375,12 @@ class LoadTracker:
                     f"build the tracker with the settings it was saved with"
                 )
         self._steps = int(state["steps"])
-        if "_live_LE2" not in state:
+        if "_live_LB" not in state:
             if self.device is not None:
                 self._allocate(self.device)
             return
         self._allocate(self.device if self.device is not None else torch.device("cpu"))
-        for name in ("_live_LE2", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+        for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
             if getattr(self, name) is not None:
                 getattr(self, name).copy_(state[name])
 
@@ -427,161 +413,3 @@ class LoadTracker:
                 else f"ema={self.ema}" if self.ema is not None else "cumulative")
         return (f"LoadTracker(num_layers={self.num_layers}, num_experts={self.num_experts}, {view}, "
                 f"device={self.device}, steps={self._steps}, attached={self.attached})")
-
-
-# -- finding and hooking routers ------------------------------------------------------------------
-
-
-def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
-    """The MoE routers of ``model`` in model order, as ``(module name, router, num_experts)``.
-
-    Dense layers have no router and get no index, so index ``l`` is the l-th MoE layer.
-    Raises ValueError when a transformers 4.x-style router (a bare ``nn.Linear`` gate, which
-    returns logits only) is found, or when the expert count of a router cannot be told.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    found = []
-    seen: set[int] = set()
-    for parent_name, parent in model.named_modules():
-        for child_name, child in parent.named_children():
-            if id(child) in seen:
-                continue
-            marked = getattr(type(child), "moebalance_router", False) is True
-            structural = child_name in ROUTER_CHILD_NAMES and isinstance(
-                getattr(parent, "experts", None), nn.Module)
-            if not (marked or structural):
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if isinstance(child, nn.Linear) and not marked:
-                raise ValueError(
-                    f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns logits "
-                    f"only; attach() needs routers that return their chosen expert ids: use "
-                    f"transformers>=5, or call LoadTracker.record(layer, topk_ids) from your own code"
-                )
-            seen.add(id(child))
-            found.append((name, child, _router_num_experts(name, child, model, marked)))
-    return found
-
-
-def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: bool) -> int:
-    num = getattr(router, "num_experts", None)
-    if isinstance(num, int) and not isinstance(num, bool) and num > 0:
-        return num
-    if marked:
-        raise ValueError(f"router {name} sets moebalance_router = True but has no positive int num_experts")
-    weight = getattr(router, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0])
-    config = getattr(model, "config", None)
-    for field in _CONFIG_EXPERT_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"cannot tell the number of experts of router {name}: give it a num_experts attribute")
-
-
-def attached_tracker(model: nn.Module) -> LoadTracker | None:
-    """The attached tracker that records every router of ``model``, or None when there is none.
-
-    Finds the tracker of :func:`moebalance.wrap` (or an earlier :func:`attach`) from any module
-    that contains the model, e.g. a LightningModule holding it. Raises ValueError when the
-    routers record into different trackers, or only some of them into one.
-    """
-    owners = set()
-    for _, router, _ in find_routers(model):
-        ref = _TRACKER_OF_ROUTER.get(router)
-        tracker = ref() if ref is not None else None
-        owners.add(tracker if tracker is not None and tracker.attached else None)
-    if len(owners) > 1:
-        raise ValueError(f"the routers of {type(model).__name__} record into {len(owners)} different "
-                         f"trackers (or some into none); detach() them and attach() one to the model")
-    return owners.pop() if owners else None
-
-
-def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int | None = None,
-           ema: float | None = None) -> LoadTracker:
-    """Hook every MoE router of ``model`` so that each forward records its chosen experts.
-
-    Args:
-        model: a transformers 5.x MoE model or any module holding moebalance routers (see the
-            module docstring for what counts as a router).
-        tracker: the tracker to record into; its num_layers / num_experts must match the
-            routers found. None: a new one is made with ``window`` / ``ema``.
-        window, ema: settings of the new tracker (only when ``tracker`` is None).
-
-    Returns:
-        The tracker, with ``layer_names`` (router module name per layer index) and ``detach()``.
-
-    Forward passes recomputed during backward (activation checkpointing) are not recorded a
-    second time. Raises ValueError when the model has no router, or when its routers already
-    record into another attached tracker (detach that one first).
-    """
-    routers = find_routers(model)
-    if not routers:
-        raise ValueError(
-            f"no MoE router found in {type(model).__name__}: attach() hooks children named "
-            f"{' / '.join(ROUTER_CHILD_NAMES)} of modules with an `experts` child (transformers 5.x MoE "
-            f"blocks) and modules whose class sets moebalance_router = True"
-        )
-    experts = {num for _, _, num in routers}
-    if len(experts) != 1:
-        raise ValueError(
-            f"the routers of this model have different expert counts {sorted(experts)}; "
-            f"track such layers with separate LoadTrackers fed by record()"
-        )
-    num_experts = experts.pop()
-    if tracker is None:
-        tracker = LoadTracker(len(routers), num_experts, window=window, ema=ema)
-    else:
-        if not isinstance(tracker, LoadTracker):
-            raise TypeError(f"tracker must be a LoadTracker, got {type(tracker).__name__}")
-        if window is not None or ema is not None:
-            raise ValueError("window/ema configure a new tracker; the tracker passed in already has its own")
-        if (tracker.num_layers, tracker.num_experts) != (len(routers), num_experts):
-            raise ValueError(
-                f"tracker has num_layers={tracker.num_layers}, num_experts={tracker.num_experts} but the "
-                f"model has {len(routers)} MoE layers of {num_experts} experts; build it as "
-                f"LoadTracker({len(routers)}, {num_experts}, ...)"
-            )
-        if tracker.attached:
-            raise ValueError("tracker is already attached to a model; call tracker.detach() first")
-    for name, router, _ in routers:
-        owner = _TRACKER_OF_ROUTER.get(router)
-        other = owner() if owner is not None else None
-        if other is not None and other.attached:
-            # mb.wrap(track=True) keeps its tracker on the model: name where to find it
-            holder = next((f"{'model.' + n if n else 'model'}.moebalance_tracker"
-                           for n, m in model.named_modules()
-                           if getattr(m, "moebalance_tracker", None) is other), None)
-            where = (f"mb.wrap attached it as {holder}: use that" if holder else
-                     "attach() returned it")
-            raise ValueError(
-                f"router {name} of this model already records into a LoadTracker ({other!r}); a "
-                f"second one would count every token again. Use that tracker ({where}; a "
-                f"Rebalancer takes it as tracker=), or call its detach() before attaching "
-                f"another"
-            )
-    for _, router, _ in routers:
-        _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
-    tracker.layer_names = [name for name, _, _ in routers]
-    tracker._routers = [weakref.ref(router) for _, router, _ in routers]
-    tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
-                      for layer, (name, router, _) in enumerate(routers)]
-    return tracker
-
-
-def _make_hook(tracker: LoadTracker, layer: int, name: str):
-    def record_router_choice(module, args, output):
-        # A forward replayed inside backward (activation checkpointing) was already counted.
-        if torch._C._current_graph_task_id() != -1:
-            return
-        if not (isinstance(output, (tuple, list)) and len(output) == 3 and isinstance(output[2], torch.Tensor)):
-            raise ValueError(
-                f"router {name} ({type(module).__name__}) returned {type(output).__name__}, not "
-                f"(router_logits, top_k_weights, top_k_index); attach() supports routers that return "
-                f"that triple -- record other routers' ids with LoadTracker.record()"
-            )
-        tracker.record(layer, output[2])
-
-    return record_router_choice

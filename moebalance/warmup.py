@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .backends import has_numba
-from .nn import DenseMoE, ExpertParallelMoE
+from .nn.moe import DenseMoE, ExpertParallelMoE
 from .planner import plan, rebalance_experts
 from .topology import Topology
 

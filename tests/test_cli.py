@@ -10,10 +10,11 @@ import types
 import numpy as np
 import pytest
 
-from moebalance import Placement, Topology, cli, imbalance, summary_imbalance
-from moebalance.benchmarks import planner as bench
-from moebalance.benchmarks import report
-from moebalance.workloads import SKEWS
+from moebalance import Placement, Topology, imbalance, summary_imbalance
+from moebalance.cli import main as cli
+from moebalance.lab.bench import planner as bench
+from moebalance.lab import report
+from moebalance.lab.workloads import SKEWS
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
@@ -175,10 +176,10 @@ def test_bench_refuses_an_unwritable_out_before_any_work(tmp_path, capsys, monke
 
 def test_bench_dispatch_hands_the_rest_of_the_line_to_the_dispatch_benchmark(monkeypatch, capsys):
     received = []
-    fake = types.ModuleType("moebalance.benchmarks.dispatch")
+    fake = types.ModuleType("moebalance.lab.bench.dispatch")
     fake.main = lambda argv: received.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "moebalance.benchmarks.dispatch", fake)
-    import moebalance.benchmarks as package
+    monkeypatch.setitem(sys.modules, "moebalance.lab.bench.dispatch", fake)
+    import moebalance.lab.bench as package
 
     monkeypatch.setattr(package, "dispatch", fake, raising=False)
     assert run_cli(["bench", "dispatch", "--quick", "--out", "x"], capsys)[0] == 0
@@ -186,10 +187,10 @@ def test_bench_dispatch_hands_the_rest_of_the_line_to_the_dispatch_benchmark(mon
 
 
 def test_bench_dispatch_missing_says_so(monkeypatch, capsys):
-    import moebalance.benchmarks as benchmarks_pkg
+    import moebalance.lab.bench as benchmarks_pkg
 
     # Hide the module whether or not an earlier test imported it (then it is also an attribute).
-    monkeypatch.setitem(sys.modules, "moebalance.benchmarks.dispatch", None)
+    monkeypatch.setitem(sys.modules, "moebalance.lab.bench.dispatch", None)
     monkeypatch.delattr(benchmarks_pkg, "dispatch", raising=False)
     rc, _, err = run_cli(["bench", "dispatch"], capsys)
     assert rc == 2 and "dispatch benchmark" in err
@@ -478,7 +479,7 @@ def test_tables_right_align_numbers_among_blank_cells_and_counts_agree():
 
 
 def test_dispatch_table_keeps_flops_out_of_the_bandwidth_column():
-    from moebalance.benchmarks import dispatch
+    from moebalance.lab.bench import dispatch
 
     rows = [dispatch.Row("cpu", "permute", "numba", 1.0, 20.0, 1.5),
             dispatch.Row("experts", "4 slots", "grouped_mm", 2.0, None, 1.2, gflops=0.75)]
@@ -493,7 +494,7 @@ def test_frontier_plot_tells_every_series_apart(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moebalance.benchmarks.migration import FrontierPoint, plot_frontier
+    from moebalance.lab.bench.migration import FrontierPoint, plot_frontier
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

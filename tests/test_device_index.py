@@ -9,7 +9,7 @@ import torch
 
 from moebalance.device_index import DeviceIndex, to_device_async
 from moebalance.dispatch import cuda
-from moebalance.replica_sync import HolderExchange
+from moebalance.nn.grad_sync import HolderExchange
 
 
 def test_device_index_copies_once_per_device():

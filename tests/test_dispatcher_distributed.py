@@ -19,7 +19,7 @@ from moebalance.collective_errors import GroupError, GroupValueError
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
 from moebalance.dispatch.routing import replica_table
-from moebalance.nn import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
+from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, reduce_replica_gradients
 from moebalance.placement import Placement
 
 WORLD = 4

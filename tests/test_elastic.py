@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import moebalance as mb
-from moebalance.elastic import carry_over, replan_onto
+from moebalance.planner.elastic import carry_over, replan_onto
 
 LOADS = np.random.default_rng(0).random((3, 12)) + 0.2
 

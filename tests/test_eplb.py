@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moebalance import Device, Topology, balancedness, imbalance
-from moebalance.benchmarks.eplb_baseline import (eplb_baseline, eplb_style_plan,
+from moebalance.lab.eplb_reference import (eplb_baseline, eplb_style_plan,
                                                  placement_from_phy2log)
 from moebalance.planner.eplb import rebalance_experts
 from strategies import loads as loads_strategy

@@ -1,6 +1,6 @@
 """DESIGN invariant 10: one rank's error is every rank's error, and the next good step works.
 
-Every fault of :mod:`moebalance.benchmarks.faults` strikes rank 1 of 4 gloo ranks, all cases in
+Every fault of :mod:`moebalance.lab.bench.faults` strikes rank 1 of 4 gloo ranks, all cases in
 one spawn (the runner ``moebalance bench faults`` uses, at its small size), with a collective
 timeout of 20 s: a fault that left the other ranks waiting would fail its case in seconds.
 """
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from moebalance.benchmarks.faults import CASES, FAULTY, run_matrix
+from moebalance.lab.bench.faults import CASES, FAULTY, run_matrix
 
 # A raise that every rank sees this long after the common start is a wait, not a carried error.
 SECONDS = 10.0

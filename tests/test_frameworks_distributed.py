@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import moebalance as mb
 from _dist import case_id, run_cases
-from moebalance.expert_slots import moe_layers
+from moebalance.nn.slots import moe_layers
 from moebalance.integrations.wrap import unwrap_state_dict
-from moebalance.models import tiny_hf_moe
+from moebalance.lab.models import tiny_hf_moe
 from test_dispatcher_distributed import random_placement
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

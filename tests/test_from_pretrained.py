@@ -25,7 +25,7 @@ from torch.testing import assert_close
 
 import moebalance as mb
 from _dist import case_id, run_cases
-from moebalance.expert_slots import moe_layers
+from moebalance.nn.slots import moe_layers
 from test_dispatcher_distributed import random_placement
 from test_tracker import tiny_moe_model
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py: its CPU forms of the checks pass (each in its own process), it stops
+"""scripts/gpu_check.py: its CPU forms of the checks pass (each in its own process), it stops
 cleanly without a GPU, a crashing or hanging check costs only that check, the JSON is rewritten
 after every check, and it finds the repository and its CUDA sources by itself. (Its CUDA checks
 need a GPU and run there only.)"""
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")

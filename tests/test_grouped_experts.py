@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from moebalance.nn import SlotExperts, grouped_mm_runs, grouped_swiglu, looped_swiglu
+from moebalance.nn.moe import SlotExperts, grouped_mm_runs, grouped_swiglu, looped_swiglu
 
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                                       reason="this torch has no _grouped_mm")

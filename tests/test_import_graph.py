@@ -19,14 +19,15 @@ PACKAGE = "moebalance"
 
 # STYLE.md's layout: the ground floor imports nothing above it ...
 GROUND_FLOOR = {f"{PACKAGE}.{name}" for name in (
-    "_arrays", "topology", "measure", "backends", "tracker", "placement", "metrics", "workloads",
-    "collective_errors")}
-# ... and the top floor is imported by nothing below it but the package's public face
-# (moebalance/__init__.py exports warm_up) and ``python -m moebalance``.
-TOP_FLOOR_MODULES = {f"{PACKAGE}.{name}" for name in ("warmup", "cli", "cli_args", "__main__")}
-# The simulator is a tool like the benchmarks: it runs the planner, EPLB's method and the
-# command-line helpers, and nothing below imports it.
-TOP_FLOOR_PACKAGES = (f"{PACKAGE}.benchmarks", f"{PACKAGE}.simulation")
+    "_check", "topology", "measure", "backends", "tracker", "placement", "metrics",
+    "collective_errors", "device_index")}
+# ... and the library's top floor is imported by nothing below it but the package's public face
+# (moebalance/__init__.py exports warm_up).
+TOP_FLOOR_MODULES = {f"{PACKAGE}.warmup"}
+# The tools: the command and the lab (benchmarks, simulator, workloads, models). No library
+# module imports them; the lab reaches the command only through its argument helpers.
+TOOLS = (f"{PACKAGE}.cli", f"{PACKAGE}.lab", f"{PACKAGE}.__main__")
+TOOLS_GROUND = f"{PACKAGE}.cli.args"
 FACES = {PACKAGE, f"{PACKAGE}.__main__"}
 
 
@@ -100,22 +101,46 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _within(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
 def _is_top_floor(module: str) -> bool:
-    return module in TOP_FLOOR_MODULES or any(
-        module == p or module.startswith(p + ".") for p in TOP_FLOOR_PACKAGES)
+    return module in TOP_FLOOR_MODULES or _within(module, TOOLS)
 
 
-GRAPH = import_graph(module_files())
+def room(module: str) -> str:
+    """The room a module lives in: its sub-package (``moebalance.lab.sim``), or the module itself
+    for the files of the package's own folder and for the tools' argument helpers."""
+    if module == TOOLS_GROUND or module.count(".") == 1:
+        return module
+    return module.rpartition(".")[0] if module not in PACKAGES else module
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Room -> the rooms its modules import (the package's face left out: it imports them all)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module in FACES:
+            continue
+        rooms.setdefault(room(module), set()).update(
+            room(t) for t in targets if t not in FACES and room(t) != room(module))
+    return rooms
+
+
+MODULES = module_files()
+PACKAGES = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+GRAPH = import_graph(MODULES)
 
 
 def test_graph_resolves_relative_and_function_level_imports():
     # module level, one dot; inside a function, two dots; ``from .. import name`` of a module
-    assert "moebalance.cli_args" in GRAPH["moebalance.cli"]
-    assert "moebalance.benchmarks.planner" in GRAPH["moebalance.cli"]
-    assert "moebalance.workloads" in GRAPH["moebalance.benchmarks.planner"]
+    assert "moebalance.cli.args" in GRAPH["moebalance.cli.main"]
+    assert "moebalance.lab.bench.planner" in GRAPH["moebalance.cli.main"]
+    assert "moebalance.lab.workloads" in GRAPH["moebalance.lab.bench.planner"]
     assert "moebalance.planner.eplb" in GRAPH["moebalance.planner"]
     # ``from .. import __version__`` is not a module: the arrow goes to the package itself
-    assert "moebalance" in GRAPH["moebalance.benchmarks.report"]
+    assert "moebalance" in GRAPH["moebalance.lab.report"]
 
 
 def test_find_cycle_reports_the_loop_it_finds():
@@ -139,3 +164,26 @@ def test_only_the_top_floor_imports_the_top_floor():
               if not _is_top_floor(m) and m not in FACES}
     upward = {m: ts for m, ts in upward.items() if ts}
     assert not upward, f"modules below the top floor import it: {upward}"
+
+
+def test_rooms_have_no_cycle():
+    # Files may keep clear of cycles while their folders do not (the simulator taking a helper of
+    # the benchmarks while a benchmark runs the simulator): the folders are checked as a whole.
+    cycle = find_cycle(room_graph(GRAPH))
+    assert cycle is None, "cycle between folders: " + " -> ".join(cycle)
+
+
+def test_no_library_module_imports_the_tools():
+    library = [m for m in GRAPH if not _within(m, TOOLS) and m not in FACES]
+    reaching = {m: sorted(t for t in GRAPH[m] if _within(t, TOOLS)) for m in library}
+    reaching = {m: ts for m, ts in reaching.items() if ts}
+    assert not reaching, f"library modules import the tools (cli, lab): {reaching}"
+
+
+def test_the_lab_reaches_the_command_only_through_its_argument_helpers():
+    lab = [m for m in GRAPH if _within(m, (f"{PACKAGE}.lab",))]
+    reaching = {m: sorted(t for t in GRAPH[m] if _within(t, (f"{PACKAGE}.cli",)) and t != TOOLS_GROUND)
+                for m in lab}
+    reaching = {m: ts for m, ts in reaching.items() if ts}
+    assert not reaching, f"lab modules import the command: {reaching}"
+    assert not GRAPH[TOOLS_GROUND] & {m for m in GRAPH if _within(m, (f"{PACKAGE}.lab",))}

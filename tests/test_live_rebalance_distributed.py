@@ -23,7 +23,7 @@ import moebalance as mb
 from _dist import case_id, run_cases
 from moebalance import checkpoint
 from moebalance.migrate import Migration, MigrationError, plan_migration
-from moebalance.nn import DenseMoE, ExpertParallelMoE, apply_placement, current_placement, moe_layers
+from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, apply_placement, current_placement, moe_layers
 from test_dispatcher_distributed import random_placement
 
 WORLD = 4
@@ -499,7 +499,7 @@ def layer_input_of_the_wrong_width_on_one_rank_raises_everywhere():
 
 
 def shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there():
-    from moebalance.elastic import replan_onto
+    from moebalance.planner.elastic import replan_onto
 
     dtype = torch.float64
     three = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5], slots=[4, 4, 4])

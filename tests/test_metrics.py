@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moebalance import Device, Placement, Topology, balancedness, imbalance, summary_imbalance
-from moebalance._arrays import as_loads, to_numpy
+from moebalance._check import as_loads, to_numpy
 from strategies import loads, placement_cases
 
 torch = pytest.importorskip("torch")

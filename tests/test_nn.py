@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from moebalance.backends import using_backend
 from moebalance.dispatch import Dispatcher, DispatchHandle
-from moebalance.nn import DenseMoE, ExpertParallelMoE, TopKRouter, reduce_replica_gradients, swiglu
+from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, TopKRouter, reduce_replica_gradients, swiglu
 from moebalance.placement import Placement
 
 D, F = 16, 12
@@ -75,7 +75,7 @@ def test_router_is_marked_for_attach_and_validates():
 
 
 def test_attach_records_the_layer_router_choices():
-    from moebalance.tracker import attach
+    from moebalance import attach
 
     moe = ExpertParallelMoE(D, F, 6, 2, one_device_placement(0, 6), seed=1)
     x = batch(1, (9,))

@@ -336,7 +336,7 @@ def test_perfect_balance_where_spare_slots_allow_a_valve_per_device(data):
 
 
 def test_bench_sized_fresh_plans_are_exact_on_alike_clusters():
-    from moebalance import workloads
+    from moebalance.lab import workloads
 
     w = workloads.synthetic_loads("heavy", 1, num_layers=6)
     for G, k in ((64, 5), (32, 9), (128, 3)):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebalance.benchmarks import planner as bench
-from moebalance.benchmarks.migration import FrontierPoint
-from moebalance.benchmarks.verdict import COLUMNS, verdict_cells
+from moebalance.lab.bench import planner as bench
+from moebalance.lab.bench.migration import FrontierPoint
+from moebalance.lab.bench.verdict import COLUMNS, verdict_cells
 
 
 def _method(name: str, seconds: float, reference: bool, calls: list) -> bench.Method:

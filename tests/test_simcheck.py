@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from moebalance.benchmarks.simcheck import (TraceRouter, calibration_cluster, load_calibration,
+from moebalance.lab.bench.simcheck import (TraceRouter, calibration_cluster, load_calibration,
                                             pair_counts, trace_topk_ids)
-from moebalance.simulation.cluster import load_cluster
-from moebalance.simulation.stepmodel import StepModel
+from moebalance.lab.sim.cluster import load_cluster
+from moebalance.lab.sim.stepmodel import StepModel
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -119,7 +119,7 @@ def test_simcheck_rejects_a_calibration_of_another_shape(tmp_path, capsys):
            "ranks": 4, "cores": 2, "pace": True}
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(calibration_cluster(figures, cfg)))
-    from moebalance import cli
+    from moebalance.cli import main as cli
 
     # in this process: the check runs before any rank is spawned
     assert cli.main(["bench", "simcheck", "--calibration", str(path), "--hidden", "32"]) == 2

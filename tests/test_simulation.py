@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 import moebalance as mb
-from moebalance import cli
+from moebalance.cli import main as cli
 from moebalance.planner import _jit, algorithm
-from moebalance.simulation.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, Cluster, GPUKind,
+from moebalance.lab.sim.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, ClusterSpec, GPUKind,
                                            ModelShape, cluster_preset, load_cluster, load_model)
-from moebalance.simulation.policies import (EPLBPeriodic, MoebalancePeriodic, Oracle,
+from moebalance.lab.sim.policies import (EPLBPeriodic, MoebalancePeriodic, Oracle,
                                             StaticUniform, default_policies)
-from moebalance.simulation.run import move_price, scale_trace, simulate
-from moebalance.simulation.stepmodel import EXCHANGES, StepModel
-from moebalance.simulation.traces import (Dynamics, default_dynamics, fit_dynamics,
+from moebalance.lab.sim.run import move_price, scale_trace, simulate
+from moebalance.lab.sim.stepmodel import EXCHANGES, StepModel
+from moebalance.lab.sim.traces import (Dynamics, default_dynamics, fit_dynamics,
                                           generate_trace, read_trace)
 
 # A small model: 4 layers of 16 experts, top-2; every device holds every layer.
@@ -28,8 +28,8 @@ KIND = GPUKind("X", flops=1e12, memory=80e9, intra_bandwidth=100e9, inter_bandwi
                intra_latency=0.0, inter_latency=0.0, gemm_efficiency=1.0)
 
 
-def _cluster(kinds, nodes, catalogue=None) -> Cluster:
-    return Cluster("test", "", tuple(kinds), tuple(nodes), catalogue or {"X": KIND})
+def _cluster(kinds, nodes, catalogue=None) -> ClusterSpec:
+    return ClusterSpec("test", "", tuple(kinds), tuple(nodes), catalogue or {"X": KIND})
 
 
 # -- clusters and models --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_cluster_round_trips_through_json_and_toml(tmp_path):
 ])
 def test_bad_cluster_descriptions_name_the_field(data, message):
     with pytest.raises(ValueError, match=message):
-        Cluster.from_dict(data)
+        ClusterSpec.from_dict(data)
 
 
 def test_cluster_file_errors_name_the_file(tmp_path):
@@ -245,7 +245,7 @@ def test_layers_move_per_pipeline_stage_in_parallel():
 
 
 def test_resplit_kernel_compiled_equals_reference_and_keeps_every_token():
-    from moebalance.benchmarks.per_step import best_resplit
+    from moebalance.lab.bench.per_step import best_resplit
 
     rng = np.random.default_rng(5)
     topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.25], slots=[6, 6, 6, 6])

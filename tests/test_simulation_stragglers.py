@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import moebalance as mb
-from moebalance import cli
-from moebalance.simulation.cluster import Cluster, GPUKind, ModelShape, load_cluster
-from moebalance.simulation.policies import MoebalancePeriodic, Oracle
-from moebalance.simulation.run import simulate
-from moebalance.simulation.stepmodel import StepModel
-from moebalance.simulation.traces import generate_trace
+from moebalance.cli import main as cli
+from moebalance.lab.sim.cluster import ClusterSpec, GPUKind, ModelShape, load_cluster
+from moebalance.lab.sim.policies import MoebalancePeriodic, Oracle
+from moebalance.lab.sim.run import simulate
+from moebalance.lab.sim.stepmodel import StepModel
+from moebalance.lab.sim.traces import generate_trace
 
 SMALL = ModelShape("small", num_layers=4, num_experts=16, top_k=2, hidden=64, ffn=128,
                    tokens_per_device=256, num_groups=4, non_moe_flops_per_token=1e6)
@@ -25,8 +25,8 @@ KIND = GPUKind("X", flops=1e12, memory=80e9, intra_bandwidth=100e9, inter_bandwi
                intra_latency=0.0, inter_latency=0.0, gemm_efficiency=1.0)
 
 
-def _cluster(devices: int, changes=()) -> Cluster:
-    return Cluster("test", "", ("X",) * devices, (0,) * devices, {"X": KIND}, tuple(changes))
+def _cluster(devices: int, changes=()) -> ClusterSpec:
+    return ClusterSpec("test", "", ("X",) * devices, (0,) * devices, {"X": KIND}, tuple(changes))
 
 
 # -- the schedule ---------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_bad_speed_changes_name_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
         _cluster(4, changes)
     with pytest.raises(ValueError, match="exactly the keys"):
-        Cluster.from_dict({"nodes": [{"kind": "H100", "devices": 2}],
+        ClusterSpec.from_dict({"nodes": [{"kind": "H100", "devices": 2}],
                            "speed_changes": [{"step": 1, "device": 0}]})
 
 

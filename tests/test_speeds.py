@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import moebalance as mb
 from _dist import case_id, run_cases
-from moebalance.nn import ExpertParallelMoE
+from moebalance.nn.moe import ExpertParallelMoE
 from moebalance.speeds import BACKWARD_WORK, ExpertTimer, SpeedTracker
 
 
@@ -167,7 +167,7 @@ def measure_agrees_on_every_rank():
 
 def measure_error_raises_on_every_rank():
     tokens = 0 if dist.get_rank() == 2 else 64
-    with pytest.raises(ValueError, match="rank 2: tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match="rank 2: tokens must be an integer >= 1"):
         mb.Topology.measure(hidden_size=16, ffn_hidden_size=32, slots=2, tokens=tokens)
     # the group still works afterwards
     topo = mb.Topology.measure(hidden_size=16, ffn_hidden_size=32, slots=2, tokens=64, repeats=2)
@@ -180,7 +180,7 @@ STRAGGLER = dict(hidden=64, ffn=256, tokens=128, experts=8, slots=3, layers=2, s
 
 
 def straggler_replans_away_from_the_slow_rank():
-    from moebalance.benchmarks.straggler import straggler_run
+    from moebalance.lab.bench.straggler import straggler_run
 
     tracked = straggler_run(STRAGGLER, track=True)
     fixed = straggler_run(STRAGGLER, track=False)
@@ -217,7 +217,7 @@ def test_distributed(dist_results, case):
 
 
 def test_set_device_speeds_reaches_every_dispatcher_and_rebuilds_its_tables():
-    from moebalance.expert_slots import set_device_speeds
+    from moebalance.nn.slots import set_device_speeds
 
     moe = _layer()
     x = torch.randn(10, 16)

@@ -126,18 +126,18 @@ def test_uniform_defaults_to_one_node():
     assert topo.num_nodes == 1 and np.all(topo.node == 0)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(num_devices=0, slots_per_device=2), "num_devices"),
-    (dict(num_devices=2.5, slots_per_device=2), "num_devices"),
-    (dict(num_devices=True, slots_per_device=2), "num_devices"),
-    (dict(num_devices=2, slots_per_device=2, devices_per_node=0), "devices_per_node"),
-    (dict(num_devices=2, slots_per_device=0), "slots"),
-    (dict(num_devices=2, slots_per_device=1.5), "slots"),
-    (dict(num_devices=2, slots_per_device=2, speed=0.0), "speed"),
-    (dict(num_devices=2, slots_per_device=2, speed=float("nan")), "speed"),
+@pytest.mark.parametrize("kwargs, name, error", [
+    (dict(num_devices=0, slots_per_device=2), "num_devices", ValueError),
+    (dict(num_devices=2.5, slots_per_device=2), "num_devices", TypeError),   # not an integer
+    (dict(num_devices=True, slots_per_device=2), "num_devices", TypeError),
+    (dict(num_devices=2, slots_per_device=2, devices_per_node=0), "devices_per_node", ValueError),
+    (dict(num_devices=2, slots_per_device=0), "slots", ValueError),
+    (dict(num_devices=2, slots_per_device=1.5), "slots", ValueError),
+    (dict(num_devices=2, slots_per_device=2, speed=0.0), "speed", ValueError),
+    (dict(num_devices=2, slots_per_device=2, speed=float("nan")), "speed", ValueError),
 ])
-def test_uniform_rejects_bad_arguments(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_uniform_rejects_bad_arguments(kwargs, name, error):
+    with pytest.raises(error, match=name):
         Topology.uniform(**kwargs)
 
 

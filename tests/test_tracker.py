@@ -15,7 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moebalance as mb
-from moebalance.tracker import LoadSnapshot, find_routers
+from moebalance.integrations.routers import find_routers
+from moebalance.tracker import LoadSnapshot
 
 L, E, K = 3, 8, 2
 
@@ -540,7 +541,7 @@ def test_integrations_package_reaches_unwrap_state_dict():
 
 
 def test_attached_tracker_is_found_from_any_module_holding_the_model():
-    from moebalance.tracker import attached_tracker
+    from moebalance.integrations.routers import attached_tracker
 
     model = nn.Sequential(ToyMoE(), ToyMoE())
     assert attached_tracker(model) is None

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import moebalance as mb
-from moebalance.benchmarks.train import moved_placement
+from moebalance.lab.bench.train import moved_placement
 
 
 def test_moved_placement_moves_at_least_the_fraction_and_stays_valid():
@@ -37,7 +37,7 @@ def test_bench_train_command_reports_its_figures(tmp_path):
 
 
 def test_bench_train_rejects_slots_that_cannot_hold_the_experts(capsys):
-    from moebalance import cli
+    from moebalance.cli import main as cli
 
     # in this process: the check runs before any rank is spawned
     assert cli.main(["bench", "train", "--slots", "3"]) == 2

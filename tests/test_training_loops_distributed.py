@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import moebalance as mb
 from _dist import case_id, run_cases
-from moebalance.models import MoELanguageModel, TextBatches, lm_loss
+from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 from test_live_rebalance_distributed import assert_replicas_identical
 
 WORLD = 4

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from moebalance import Topology, workloads
-from moebalance.workloads import (CLUSTERS, SKEWS, Skew, cluster, drift, synthetic_loads,
+from moebalance import Topology
+from moebalance.lab import workloads
+from moebalance.lab.workloads import (CLUSTERS, SKEWS, Skew, cluster, drift, synthetic_loads,
                                   trace_clusters, trace_loads, trace_names)
 
 SMALL = dict(num_layers=6, num_experts=64, num_groups=8, top_k=4, tokens=2048)

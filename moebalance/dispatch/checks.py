@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .._check import positive_int
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -91,8 +93,7 @@ def check_expert_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> None:
 def check_sort_by_slot(slot_TK, num_slots) -> None:
     """Raise TypeError/ValueError unless the arguments of :func:`sort_by_slot` are well formed."""
     _int64(slot_TK, "slot_TK", 2, "[T, K]")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots must be a Python int >= 1, got {num_slots!r}")
+    positive_int(num_slots, "num_slots")
 
 
 def check_slot_values(slot_TK: torch.Tensor, num_slots: int) -> None:

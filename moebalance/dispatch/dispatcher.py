@@ -43,7 +43,8 @@ used by one thread at a time, like the collectives of its group.
 
 Legend: T tokens on this rank, K top-k, D hidden size, E logical experts, X most replicas of an
 expert, S global slots, G ranks of the group, Ls slots of this rank, N = T*K routed pairs,
-M rows received by this rank (pairs routed to its slots), N' nodes.
+M rows received by this rank (pairs routed to its slots), N' nodes, C = E + the step's flags
+(columns of the count exchange).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._check import index
 from ..collective_errors import Attempt, GroupValueError, agree, raise_failures
 from ..placement import Placement
 from .autograd import CombineRows, DispatchRows
@@ -270,7 +272,7 @@ class Dispatcher:
         Every rank of the group must call it with the same speeds before the same step (the
         re-split is computed on every rank from the same counts; ranks with different speeds
         would route the same pair to different replicas): use
-        :func:`moebalance.expert_slots.set_device_speeds`, which the Rebalancer calls when it
+        :func:`moebalance.nn.slots.set_device_speeds`, which the Rebalancer calls when it
         adopts measured speeds. Cached per-placement tables are rebuilt on next use.
         """
         speeds = self._checked_speeds(speeds)
@@ -312,11 +314,7 @@ class Dispatcher:
                 self._states.popitem(last=False)
         else:
             self._states.move_to_end(id(placement))
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < placement.num_layers:
-            raise ValueError(f"layer must be in [0, {placement.num_layers}) for this placement of "
-                             f"{placement.num_layers} layers, got {layer}")
+        index(layer, f"layer (of this placement's {placement.num_layers} layers)", placement.num_layers)
         return state
 
     def local_slots(self, placement: Placement, layer: int = 0) -> range:

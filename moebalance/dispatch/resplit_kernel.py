@@ -58,7 +58,7 @@ def resplit_order(device_EX, num_devices):
 
     Returns:
         order_V: [V] int64, the replicated experts, class by class, ascending within a class.
-        class_starts_C1: [C + 1] int64, where each class starts in ``order_V`` (then V).
+        class_starts: [C + 1] int64, where each class starts in ``order_V`` (then V).
     """
     E, X = device_EX.shape
     class_of = np.full(E, -1, dtype=np.int64)
@@ -89,20 +89,20 @@ def resplit_order(device_EX, num_devices):
             g = device_EX[e, j]
             if g >= 0:
                 used_EG[c, g] = True
-    class_starts_C1 = np.zeros(num_classes + 1, dtype=np.int64)
+    class_starts = np.zeros(num_classes + 1, dtype=np.int64)
     for e in range(E):
         if class_of[e] >= 0:
-            class_starts_C1[class_of[e] + 1] += 1
+            class_starts[class_of[e] + 1] += 1
     for c in range(num_classes):
-        class_starts_C1[c + 1] += class_starts_C1[c]
-    order_V = np.empty(class_starts_C1[num_classes], dtype=np.int64)
-    fill = class_starts_C1[:num_classes].copy()
+        class_starts[c + 1] += class_starts[c]
+    order_V = np.empty(class_starts[num_classes], dtype=np.int64)
+    fill = class_starts[:num_classes].copy()
     for e in range(E):
         c = class_of[e]
         if c >= 0:
             order_V[fill[c]] = e
             fill[c] += 1
-    return order_V, class_starts_C1
+    return order_V, class_starts
 
 
 @kernel
@@ -235,7 +235,7 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
     eps = 1e-12 * total
     # Replicas of replicated experts with pairs held by each device, as flat indices
     # e * X + j (CSR); the other experts' pairs cannot move.
-    starts_G1 = np.zeros(G + 1, dtype=np.int64)
+    device_starts = np.zeros(G + 1, dtype=np.int64)
     fixed_G = np.zeros(G, dtype=np.float64)
     for e in range(E):
         if device_EX[e, 1] < 0:
@@ -244,11 +244,11 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
             for j in range(X):
                 g = device_EX[e, j]
                 if g >= 0:
-                    starts_G1[g + 1] += 1
+                    device_starts[g + 1] += 1
     for g in range(G):
-        starts_G1[g + 1] += starts_G1[g]
-    held_R = np.empty(starts_G1[G], dtype=np.int64)
-    fill_G = starts_G1[:G].copy()
+        device_starts[g + 1] += device_starts[g]
+    held_R = np.empty(device_starts[G], dtype=np.int64)
+    fill_G = device_starts[:G].copy()
     for e in range(E):
         if device_EX[e, 1] >= 0 and w_E[e] > 0.0:
             for j in range(X):
@@ -269,8 +269,8 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
     rest_E = np.zeros(E, dtype=np.float64)
     for g in range(G):
         excess = load_G[g] - t * speed_G[g]
-        r = starts_G1[g]
-        while excess > eps and r < starts_G1[g + 1]:
+        r = device_starts[g]
+        while excess > eps and r < device_starts[g + 1]:
             e, j = held_R[r] // X, held_R[r] % X
             cut = min(excess, flow_EX[e, j])
             if cut > 0.0:
@@ -320,7 +320,7 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
                 if load_G[g] < t * speed_G[g] - eps:
                     sink_level = level_G[g]
                     continue
-                for r in range(starts_G1[g], starts_G1[g + 1]):
+                for r in range(device_starts[g], device_starts[g + 1]):
                     f = held_R[r] // X
                     if level_E[f] < 0 and flow_EX[f, held_R[r] % X] > eps:
                         level_E[f] = level_G[g] + 1
@@ -341,7 +341,7 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
         for e in range(E):
             next_E[e] = 0
         for g in range(G):
-            next_G[g] = starts_G1[g]
+            next_G[g] = device_starts[g]
         for s in range(E):
             if level_E[s] != 0:
                 continue
@@ -386,7 +386,7 @@ def resplit_flow(w_E, device_EX, speed_G, share_EX, load_G):
                     continue
                 # from g, back through an expert holding pairs there, one level up
                 f = -1
-                while next_G[g] < starts_G1[g + 1]:
+                while next_G[g] < device_starts[g + 1]:
                     r = next_G[g]
                     c = held_R[r] // X
                     if level_E[c] == level_G[g] + 1 and flow_EX[c, held_R[r] % X] > eps:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._check import index
+
 from ..placement import Placement
 
 __all__ = ["ReplicaTable", "replica_table", "replica_targets", "replica_flows"]
@@ -72,10 +74,7 @@ def replica_table(placement: Placement, layer: int, device=None) -> ReplicaTable
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a moebalance.Placement, got {type(placement).__name__}")
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-        raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-    if not 0 <= layer < placement.num_layers:
-        raise ValueError(f"layer must be in [0, {placement.num_layers}), got {layer}")
+    layer = index(layer, "layer", placement.num_layers)
     phy2log = placement.phy2log[layer]
     E, S = placement.num_experts, placement.num_slots
     X = max(int(placement.replicas.max()), 1)

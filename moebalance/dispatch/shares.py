@@ -20,7 +20,8 @@ Method: water-filling sweeps over the replicated experts in colour-class order
 :func:`optimal_max_time` is the LP optimum every form is measured against.
 
 Legend: G devices (ranks), E logical experts, X most replicas of an expert, C colour classes,
-V replicated experts.
+V replicated experts, n experts of one colour class, Gs = G + 1 (the devices, then a scratch
+cell for padding).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .._check import integer
 
 from ..backends import backend, has_numba
 from ..planner import _jit
@@ -136,17 +139,17 @@ def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor, holds_GEX: torch.Ten
     return (holds_GEX * (w_E.unsqueeze(1) * share_EX).unsqueeze(0)).sum(dim=(1, 2))
 
 
-def _water_fill(c: ColourClass, w_n1: torch.Tensor, share_EX: torch.Tensor,
-                load_G1: torch.Tensor) -> None:
-    """Water-fill the experts of one colour class at once (``w_n1`` [n, 1] their loads);
-    updates share_EX and load_G1 (its last entry a scratch cell for padding) in place."""
+def _water_fill(c: ColourClass, w_n: torch.Tensor, share_EX: torch.Tensor,
+                load_Gs: torch.Tensor) -> None:
+    """Water-fill the experts of one colour class at once (``w_n`` [n, 1]: their loads as a column);
+    updates share_EX and load_Gs (its last entry a scratch cell for padding) in place."""
     share = share_EX.index_select(0, c.experts)
-    base = torch.where(c.valid, load_G1[c.device] - w_n1 * share, 0.0)  # load without this expert
+    base = torch.where(c.valid, load_Gs[c.device] - w_n * share, 0.0)  # load without this expert
     level = torch.where(c.valid, base / c.rate, torch.inf)
     level_sorted, order = torch.sort(level, dim=1, stable=True)
     acc_base = torch.cumsum(base.gather(1, order), dim=1)
     acc_rate = torch.cumsum(c.rate.gather(1, order), dim=1)
-    lam = (w_n1 + acc_base) / acc_rate                                  # [n, X] candidate levels
+    lam = (w_n + acc_base) / acc_rate                                  # [n, X] candidate levels
     following = torch.cat([level_sorted[:, 1:], torch.full_like(level_sorted[:, :1], torch.inf)], 1)
     # The level settles at the first k whose common time does not reach the next device's.
     k = (lam <= following).to(torch.int8).argmax(dim=1, keepdim=True)
@@ -154,7 +157,7 @@ def _water_fill(c: ColourClass, w_n1: torch.Tensor, share_EX: torch.Tensor,
     placed = piece.sum(dim=1, keepdim=True)
     new_share = torch.where(placed > 0, piece / torch.where(placed > 0, placed, 1.0), share)
     share_EX.index_copy_(0, c.experts, new_share)
-    load_G1.index_put_((c.scatter,), base + w_n1 * new_share)
+    load_Gs.index_put_((c.scatter,), base + w_n * new_share)
 
 
 def resplit_shares_torch(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
@@ -175,12 +178,12 @@ def resplit_shares_torch(w_E: torch.Tensor, share_EX: torch.Tensor, plan: Respli
     w = w_E.to(torch.float64)
     share = share_EX.to(torch.float64).clone()
     load = device_loads(w, share, plan.holds_GEX)
-    load_G1 = torch.cat([load, load.new_zeros(1)])
-    w_n1 = [w.index_select(0, c.experts).unsqueeze(1) for c in plan.classes]
-    forwards = list(zip(plan.classes, w_n1))
+    load_Gs = torch.cat([load, load.new_zeros(1)])
+    w_n = [w.index_select(0, c.experts).unsqueeze(1) for c in plan.classes]
+    forwards = list(zip(plan.classes, w_n))
     for sweep in range(sweeps if plan.classes else 0):
         for c, w_c in (forwards if sweep % 2 == 0 else forwards[::-1]):
-            _water_fill(c, w_c, share, load_G1)
+            _water_fill(c, w_c, share, load_Gs)
     return share
 
 
@@ -202,8 +205,7 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
         share_EX: [E, X] float64 on ``w_E``'s device, new shares (rows sum to 1, zero on
         padding; experts with one replica, or no pairs, keep theirs).
     """
-    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
-        raise ValueError(f"sweeps must be an int >= 0, got {sweeps!r}")
+    sweeps = integer(sweeps, "sweeps", 0)
     name = backend("resplit", w_E.device.type)
     if name == "cuda" and w_E.device.type == "cuda":
         from .resplit_cuda import resplit_shares_cuda

@@ -48,7 +48,7 @@ except ImportError as exc:
 import os
 import sys
 
-from ..nn import clip_grad_norm_
+from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
 from .loop import Rebalancer, torch_optimizer
 

@@ -27,17 +27,19 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
+from .._check import optional_positive_int
 
 from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
-from ..migrate import MigrationError, Migrator
-from ..expert_slots import apply_placement, current_placement, moe_layers, set_device_speeds
+from ..migrate.transfer import MigrationError, Migrator
+from ..migrate.wire import same_everywhere
+from ..nn.slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import MoveCost, plan
 from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
-from ..tracker import LoadTracker, attach, attached_tracker
+from ..tracker import LoadTracker
+from .routers import attach, attached_tracker
 
 __all__ = ["Rebalancer"]
 
@@ -51,14 +53,6 @@ def torch_optimizer(optimizer):
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer      # the wrapped optimizer holds the state and the hooks
     return optimizer
-
-
-def _optional_positive(value, name: str):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-    return int(value)
 
 
 def _speed_tracker(speeds, model):
@@ -123,7 +117,7 @@ class Rebalancer:
         if topology.num_devices != world:
             raise ValueError(f"topology has {topology.num_devices} devices but the model's group has "
                              f"{world} ranks; describe one device per rank")
-        self.every = _optional_positive(every, "every")
+        self.every = optional_positive_int(every, "every")
         if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 1.0):
             raise ValueError(f"threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, got {threshold!r}")
         if move_cost is not None and not isinstance(move_cost, MoveCost):
@@ -135,7 +129,7 @@ class Rebalancer:
                              "speeds=SpeedTracker(...), or several; with none the Rebalancer "
                              "never re-plans")
         self.threshold = None if threshold is None else float(threshold)
-        self.check_every = _optional_positive(check_every, "check_every") or self.every or 50
+        self.check_every = optional_positive_int(check_every, "check_every") or self.every or 50
         self.max_moves = None if max_moves is None else int(max_moves)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure must be one of {list(ON_FAILURE)}, got {on_failure!r}")
@@ -277,9 +271,7 @@ class Rebalancer:
         if self.world_size == 1:
             return
         digest = hashlib.sha256(placement.phy2log.tobytes() + placement.share.tobytes()).hexdigest()
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, digest, group=self.group)
-        if len(set(everyone)) != 1:
+        if not same_everywhere(digest, self.group):
             raise RuntimeError("ranks planned different placements from the same reduced loads; "
                                "check that every rank runs the same moebalance and numba versions")
 

@@ -19,7 +19,7 @@ per-expert arithmetic is the original's, and checkpoints by logical expert come 
 transformers' layout (:func:`unwrap`, :func:`save_pretrained`).
 
 Data parallelism for what is not an expert: every other parameter is replicated on all ranks;
-its gradient is averaged over the group during backward (:class:`~moebalance.replica_sync.
+its gradient is averaged over the group during backward (:class:`~moebalance.nn.grad_sync.
 GradientSync`), and the expert gradients are scaled the same way, so with each rank computing
 transformers' usual mean loss over its own tokens (equal counts per rank) the gradients equal
 those of one process on the global batch. DDP is a partner: the wrapped model lists its expert
@@ -46,12 +46,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.dispatcher import Dispatcher
-from ..expert_slots import ExpertSlots, current_placement, moe_layers
+from ..nn.slots import ExpertSlots, current_placement, moe_layers
 from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
 from ..placement import Placement
-from ..replica_sync import GradientSync
+from ..nn.grad_sync import GradientSync
 from ..topology import Topology
-from ..tracker import find_routers
+from .routers import attach, moe_blocks
 
 __all__ = ["wrap", "unwrap", "unwrap_state_dict", "save_pretrained", "HFExpertSlots"]
 
@@ -138,22 +138,6 @@ class HFExpertSlots(ExpertSlots):
         return self.dispatcher.combine(y_MH, handle).reshape(hidden_states.shape)
 
 
-def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(name, block, router) of every MoE block whose ``experts`` child holds fused 3D experts."""
-    modules = dict(model.named_modules())
-    blocks = []
-    for router_name, router, _ in find_routers(model):
-        block_name = router_name.rpartition(".")[0]
-        block = modules.get(block_name)
-        experts = getattr(block, "experts", None)
-        if isinstance(experts, HFExpertSlots):
-            raise ValueError("this model is already wrapped; wrap() it once (unwrap() gives the "
-                             "plain model back)")
-        if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-            blocks.append((block_name, block, router))
-    return blocks
-
-
 def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement | None = None, *,
          exchange: str = "auto", nodes=None, grad_scale: str = "mean", resplit: bool = True,
          track: bool = True) -> nn.Module:
@@ -195,7 +179,7 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    blocks = _moe_blocks(model)
+    blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(
             f"{type(model).__name__} has no MoE layer wrap() can serve: it looks for blocks whose "
@@ -236,7 +220,6 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
         rows: None (copy the slot rows out of each block's experts), or ``rows(layer) -> {name:
             [Ls, ...]}`` giving this rank's slot rows of MoE layer ``layer`` (a loader's).
     """
-    from ..tracker import attach
 
     world = topology.num_devices
     scale = 1.0 / world if grad_scale == "mean" else 1.0
@@ -312,7 +295,7 @@ class _SavePretrained:
 
 def unwrap_state_dict(model: nn.Module) -> dict:
     """The wrapped model's state dict in transformers' own layout (every expert, by id). Collective."""
-    from ..checkpoint import expert_state_dict
+    from ..nn.checkpoint import expert_state_dict
 
     return expert_state_dict(model)["model"]
 

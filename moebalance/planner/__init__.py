@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._arrays import as_loads, planning_loads, to_numpy
+from .._check import as_loads, to_numpy
 from ..backends import backend
 from ..placement import Placement
-from ..topology import Topology
+from ..topology import Topology, planning_loads
 from . import _jit, algorithm, eplb, steps  # noqa: F401  (kernels register before any compile)
 from .eplb import rebalance_experts
 

@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from .._arrays import as_loads, positive_int, to_numpy
+from .._check import as_loads, positive_int, to_numpy
 from ..backends import backend as _choose_backend
 from . import _jit
 from ._jit import kernel

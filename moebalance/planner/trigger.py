@@ -14,7 +14,7 @@ Legend: T steps, L layers, E experts.
 
 from __future__ import annotations
 
-from .._arrays import to_numpy
+from .._check import to_numpy
 from ..placement import Placement
 from ..topology import Topology
 

@@ -1,0 +1,205 @@
+"""Finding the routers of a model and hooking them to a :class:`~moebalance.LoadTracker`.
+
+Which modules count as routers:
+
+* transformers 5.x MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and
+  others built the same way): a child named ``gate`` or ``router`` of a module that also has an
+  ``experts`` child. Its forward returns ``(router_logits [T,E], top_k_weights [T,K],
+  top_k_index [T,K])`` and the hook records ``top_k_index`` -- the experts the model actually
+  used. Top-k is never recomputed from the logits: DeepSeek-V3 chooses with a bias correction and
+  group limits that the logits do not show.
+* any module whose class sets ``moebalance_router = True`` (moebalance's own
+  ``ExpertParallelMoE`` router does). Such a router must return the same triple and have an
+  integer attribute ``num_experts``.
+
+:func:`moe_blocks` gives the transformers MoE blocks whose experts :func:`moebalance.wrap` can
+make expert-parallel.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..nn.slots import ExpertSlots
+from ..tracker import _TRACKER_OF_ROUTER, LoadTracker
+
+__all__ = ["find_routers", "attached_tracker", "attach", "moe_blocks", "ROUTER_CHILD_NAMES"]
+
+# Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
+ROUTER_CHILD_NAMES = ("gate", "router")
+# Config fields that hold the number of routed experts, by model family.
+_CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """The MoE routers of ``model`` in model order, as ``(module name, router, num_experts)``.
+
+    Dense layers have no router and get no index, so index ``l`` is the l-th MoE layer.
+    Raises ValueError when a transformers 4.x-style router (a bare ``nn.Linear`` gate, which
+    returns logits only) is found, or when the expert count of a router cannot be told.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found = []
+    seen: set[int] = set()
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if id(child) in seen:
+                continue
+            marked = getattr(type(child), "moebalance_router", False) is True
+            structural = child_name in ROUTER_CHILD_NAMES and isinstance(
+                getattr(parent, "experts", None), nn.Module)
+            if not (marked or structural):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and not marked:
+                raise ValueError(
+                    f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns logits "
+                    f"only; attach() needs routers that return their chosen expert ids: use "
+                    f"transformers>=5, or call LoadTracker.record(layer, topk_ids) from your own code"
+                )
+            seen.add(id(child))
+            found.append((name, child, _router_num_experts(name, child, model, marked)))
+    return found
+
+
+def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: bool) -> int:
+    num = getattr(router, "num_experts", None)
+    if isinstance(num, int) and not isinstance(num, bool) and num > 0:
+        return num
+    if marked:
+        raise ValueError(f"router {name} sets moebalance_router = True but has no positive int num_experts")
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    config = getattr(model, "config", None)
+    for field in _CONFIG_EXPERT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot tell the number of experts of router {name}: give it a num_experts attribute")
+
+
+def attached_tracker(model: nn.Module) -> LoadTracker | None:
+    """The attached tracker that records every router of ``model``, or None when there is none.
+
+    Finds the tracker of :func:`moebalance.wrap` (or an earlier :func:`attach`) from any module
+    that contains the model, e.g. a LightningModule holding it. Raises ValueError when the
+    routers record into different trackers, or only some of them into one.
+    """
+    owners = set()
+    for _, router, _ in find_routers(model):
+        ref = _TRACKER_OF_ROUTER.get(router)
+        tracker = ref() if ref is not None else None
+        owners.add(tracker if tracker is not None and tracker.attached else None)
+    if len(owners) > 1:
+        raise ValueError(f"the routers of {type(model).__name__} record into {len(owners)} different "
+                         f"trackers (or some into none); detach() them and attach() one to the model")
+    return owners.pop() if owners else None
+
+
+def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int | None = None,
+           ema: float | None = None) -> LoadTracker:
+    """Hook every MoE router of ``model`` so that each forward records its chosen experts.
+
+    Args:
+        model: a transformers 5.x MoE model or any module holding moebalance routers (see the
+            module docstring for what counts as a router).
+        tracker: the tracker to record into; its num_layers / num_experts must match the
+            routers found. None: a new one is made with ``window`` / ``ema``.
+        window, ema: settings of the new tracker (only when ``tracker`` is None).
+
+    Returns:
+        The tracker, with ``layer_names`` (router module name per layer index) and ``detach()``.
+
+    Forward passes recomputed during backward (activation checkpointing) are not recorded a
+    second time. Raises ValueError when the model has no router, or when its routers already
+    record into another attached tracker (detach that one first).
+    """
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(
+            f"no MoE router found in {type(model).__name__}: attach() hooks children named "
+            f"{' / '.join(ROUTER_CHILD_NAMES)} of modules with an `experts` child (transformers 5.x MoE "
+            f"blocks) and modules whose class sets moebalance_router = True"
+        )
+    experts = {num for _, _, num in routers}
+    if len(experts) != 1:
+        raise ValueError(
+            f"the routers of this model have different expert counts {sorted(experts)}; "
+            f"track such layers with separate LoadTrackers fed by record()"
+        )
+    num_experts = experts.pop()
+    if tracker is None:
+        tracker = LoadTracker(len(routers), num_experts, window=window, ema=ema)
+    else:
+        if not isinstance(tracker, LoadTracker):
+            raise TypeError(f"tracker must be a LoadTracker, got {type(tracker).__name__}")
+        if window is not None or ema is not None:
+            raise ValueError("window/ema configure a new tracker; the tracker passed in already has its own")
+        if (tracker.num_layers, tracker.num_experts) != (len(routers), num_experts):
+            raise ValueError(
+                f"tracker has num_layers={tracker.num_layers}, num_experts={tracker.num_experts} but the "
+                f"model has {len(routers)} MoE layers of {num_experts} experts; build it as "
+                f"LoadTracker({len(routers)}, {num_experts}, ...)"
+            )
+        if tracker.attached:
+            raise ValueError("tracker is already attached to a model; call tracker.detach() first")
+    for name, router, _ in routers:
+        owner = _TRACKER_OF_ROUTER.get(router)
+        other = owner() if owner is not None else None
+        if other is not None and other.attached:
+            # mb.wrap(track=True) keeps its tracker on the model: name where to find it
+            holder = next((f"{'model.' + n if n else 'model'}.moebalance_tracker"
+                           for n, m in model.named_modules()
+                           if getattr(m, "moebalance_tracker", None) is other), None)
+            where = (f"mb.wrap attached it as {holder}: use that" if holder else
+                     "attach() returned it")
+            raise ValueError(
+                f"router {name} of this model already records into a LoadTracker ({other!r}); a "
+                f"second one would count every token again. Use that tracker ({where}; a "
+                f"Rebalancer takes it as tracker=), or call its detach() before attaching "
+                f"another"
+            )
+    for _, router, _ in routers:
+        _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
+    tracker.layer_names = [name for name, _, _ in routers]
+    tracker._routers = [weakref.ref(router) for _, router, _ in routers]
+    tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
+                      for layer, (name, router, _) in enumerate(routers)]
+    return tracker
+
+
+def _make_hook(tracker: LoadTracker, layer: int, name: str):
+    def record_router_choice(module, args, output):
+        # A forward replayed inside backward (activation checkpointing) was already counted.
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not (isinstance(output, (tuple, list)) and len(output) == 3 and isinstance(output[2], torch.Tensor)):
+            raise ValueError(
+                f"router {name} ({type(module).__name__}) returned {type(output).__name__}, not "
+                f"(router_logits, top_k_weights, top_k_index); attach() supports routers that return "
+                f"that triple -- record other routers' ids with LoadTracker.record()"
+            )
+        tracker.record(layer, output[2])
+
+    return record_router_choice
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, block, router) of every MoE block whose ``experts`` child holds fused 3D experts."""
+    modules = dict(model.named_modules())
+    blocks = []
+    for router_name, router, _ in find_routers(model):
+        block_name = router_name.rpartition(".")[0]
+        block = modules.get(block_name)
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, ExpertSlots):
+            raise ValueError("this model is already wrapped; wrap() it once (unwrap() gives the "
+                             "plain model back)")
+        if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            blocks.append((block_name, block, router))
+    return blocks

@@ -1,0 +1,292 @@
+"""``moebalance bench straggler``: measured device speeds, and re-planning when a rank slows down.
+
+On ``--ranks`` gloo ranks (4), each rank's expert arithmetic held to a fraction of a core by
+:class:`~moebalance.lab.bench.simcheck.CoreShare` (the way ``bench simcheck`` gives a rank a
+device speed):
+
+1. **Topology.measure**: ranks held to 1.0 / 1.0 / 0.5 / 0.5 of a core (the pattern repeats on
+   more ranks) measure the topology of a layer; the relative speeds against those ratios, and
+   the call's wall time.
+2. **Straggler**: a stack of :class:`~moebalance.nn.moe.ExpertParallelMoE` layers trains on
+   balanced routing (a :class:`~moebalance.lab.bench.simcheck.TraceRouter` on equal counts, so
+   there is nothing to re-balance but the speeds), every rank held to its share of the cores;
+   at step ``--slow-at`` the last rank's hold drops to ``--slow`` times its share. One run keeps
+   the original topology; the other has a ``Rebalancer(speeds=SpeedTracker(...))`` that follows
+   the measured speeds. Figures: the mean step time (slowest rank, ranks aligned by an untimed
+   barrier) over the last third of the steps, their ratio, whether the losses are equal, and
+   the re-plans the tracker triggered.
+
+Writes ``results.json`` and ``summary.md`` under ``--out``.
+Legend: G ranks, E experts, N tokens per rank, D hidden size, F expert hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..report import format_markdown, format_text, machine_info, markdown_header
+
+DESCRIPTION = "Measured device speeds, and re-planning away from a straggler (4 gloo ranks)."
+
+FULL = dict(hidden=128, ffn=1024, tokens=512, experts=8, slots=3, layers=2, steps=60, slow_at=20,
+            every=5, measure_tokens=1024, measure_repeats=8)
+QUICK = dict(hidden=64, ffn=512, tokens=256, experts=8, slots=3, layers=2, steps=24, slow_at=8,
+             every=4, measure_tokens=512, measure_repeats=5)
+MEASURE_SHARES = (1.0, 1.0, 0.5, 0.5)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller layers, fewer steps")
+    parser.add_argument("--ranks", type=positive_int_arg, default=4, help="gloo ranks (default 4)")
+    parser.add_argument("--steps", type=positive_int_arg, default=None,
+                        help=f"training steps (default {FULL['steps']}, quick {QUICK['steps']})")
+    parser.add_argument("--slow-at", type=positive_int_arg, default=None,
+                        help=f"step at which the last rank slows (default {FULL['slow_at']})")
+    parser.add_argument("--slow", type=float, default=0.5,
+                        help="the straggler's speed as a fraction of the others' (default 0.5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--out", default=os.path.join("bench-out", "straggler"), metavar="DIR",
+                        help="folder for results.json and summary.md (default ./bench-out/straggler)")
+
+
+# -- on every rank --------------------------------------------------------------------------------
+
+
+def _layers(cfg: dict, rank: int, world: int, placement, share):
+    import torch
+
+    from ...nn.moe import ExpertParallelMoE
+    from .simcheck import TraceRouter, _Stack
+
+    equal_TE = np.ones((cfg["steps"], cfg["experts"]))
+    layers = []
+    for layer in range(cfg["layers"]):
+        router = TraceRouter(cfg["hidden"], equal_TE, 2, cfg["tokens"], rank=rank,
+                             world_size=world, seed=cfg["seed"] * 131 + layer)
+        moe = ExpertParallelMoE(cfg["hidden"], cfg["ffn"], cfg["experts"], 2, placement,
+                                layer=layer, router=router, seed=cfg["seed"] * 131 + layer,
+                                exchange="all_to_all")
+        if share is not None:
+            share.attach(moe.experts)
+        layers.append(moe)
+    return _Stack(layers).to(torch.float64 if cfg.get("float64") else torch.float32)
+
+
+def start_placement(cfg: dict, world: int):
+    """The first placement: planned for equal loads on equal devices."""
+    import moebalance as mb
+
+    topology = mb.Topology.uniform(world, cfg["slots"])
+    return topology, mb.plan(np.ones((cfg["layers"], cfg["experts"])), topology)
+
+
+def straggler_run(cfg: dict, track: bool) -> dict:
+    """Train ``cfg['steps']`` steps on every rank of the default group; the last rank's hold
+    drops to ``cfg['slow']`` of the others' at step ``cfg['slow_at']``.
+
+    Args:
+        cfg: hidden, ffn, tokens, experts, slots, layers, steps, slow_at, slow, every, seed,
+            share (every rank's hold, a fraction of a core; None: no hold, the straggler then
+            held to ``slow``), float64 (optional).
+        track: follow the measured speeds (a Rebalancer with a SpeedTracker) or keep the
+            original topology.
+
+    Returns (the same on every rank): ``step_s`` [steps], ``losses`` [steps], ``history`` (the
+    Rebalancer's re-plans), ``decisions`` (the tracker's), ``resplit_speeds`` (the speeds each
+    layer's re-split uses at the end), ``topology_speed`` (the topology's at the end),
+    ``slow_rank_share_before`` and ``_after`` (fraction of the tokens the slow rank's slots
+    receive, first layer).
+    """
+    import torch
+    import torch.distributed as dist
+
+    import moebalance as mb
+    from .simcheck import CoreShare
+    from ..report import timed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = cfg.get("share")
+    share = CoreShare(base if base is not None else 1.0)
+    slow_rank = world - 1
+    topology, placement = start_placement(cfg, world)
+    torch.manual_seed(cfg["seed"])
+    model = _layers(cfg, rank, world, placement, share)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rebalancer = None
+    if track:
+        speeds = mb.SpeedTracker(every=cfg["every"], min_change=cfg.get("min_change", 0.2),
+                                 window=cfg.get("window", 3))
+        rebalancer = mb.Rebalancer(model, topology, optimizer, every=None, speeds=speeds)
+    gen = torch.Generator().manual_seed(cfg["seed"] * 7 + rank)
+    dtype = next(model.parameters()).dtype
+    x_TND = torch.randn(cfg["steps"], cfg["tokens"], cfg["hidden"], generator=gen).to(dtype)
+    y_TND = torch.randn(cfg["steps"], cfg["tokens"], cfg["hidden"], generator=gen).to(dtype)
+    losses, step_s = [], []
+
+    def step(t: int) -> None:
+        for moe in model.layers:
+            moe.router.step = t
+        optimizer.zero_grad()
+        loss = (model(x_TND[t]) - y_TND[t]).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        if rebalancer is not None:
+            rebalancer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+
+    before = _slow_share(model, topology, slow_rank)
+    for t in range(cfg["steps"]):
+        if t == cfg["slow_at"] and rank == slow_rank:
+            share.share = (base if base is not None else 1.0) * cfg["slow"]
+        step_s.append(timed(lambda: step(t)))
+    if rebalancer is not None:
+        rebalancer.finish()
+    return {"step_s": step_s, "losses": losses,
+            "history": [] if rebalancer is None else rebalancer.history,
+            "decisions": [] if rebalancer is None else rebalancer.speeds.decisions,
+            "resplit_speeds": [list(moe.dispatcher.speeds or ()) for moe in model.layers],
+            "topology_speed": (topology if rebalancer is None else rebalancer.topology)
+            .speed.tolist(),
+            "slow_rank_share_before": before,
+            "slow_rank_share_after": _slow_share(model, topology, slow_rank)}
+
+
+def _slow_share(model, topology, slow_rank: int) -> float:
+    """Fraction of layer 0's (equal) expert loads the slow rank's slots receive."""
+    from ...nn.slots import current_placement
+
+    p = current_placement(model)
+    device_GL = p.device_loads(np.ones((p.num_layers, p.num_experts)))
+    return float(device_GL[0, slow_rank] / device_GL[0].sum())
+
+
+def measure_run(cfg: dict) -> dict:
+    """``Topology.measure`` on every rank, rank g held to ``MEASURE_SHARES[g % 4]`` of a core."""
+    import torch.distributed as dist
+
+    import moebalance as mb
+    from .simcheck import CoreShare
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, placement = start_placement(cfg, world)
+    model = _layers(cfg, rank, world, placement, None)
+    layer = model.layers[0]
+    CoreShare(MEASURE_SHARES[rank % len(MEASURE_SHARES)]).attach(layer.experts)
+    dist.barrier()
+    start = time.perf_counter()
+    topology = mb.Topology.measure(layer=layer, tokens=cfg["measure_tokens"],
+                                   repeats=cfg["measure_repeats"], num_experts=cfg["experts"],
+                                   num_layers=cfg["layers"])
+    seconds = time.perf_counter() - start
+    return {"topology": topology.to_dict(), "seconds": seconds}
+
+
+def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
+    measured = measure_run(cfg)
+    runs = {}
+    for name, track in (("fixed topology", False), ("speed tracking", True)):
+        runs[name] = straggler_run(cfg, track)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({"measure": measured, "runs": runs}),
+                                     encoding="utf-8")
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+COLUMNS = ["run", "mean step ms (before)", "mean step ms (last third)", "re-plans",
+           "slow rank's token share before / after"]
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ...launch import launch
+
+    cfg = dict(QUICK if args.quick else FULL)
+    for name in ("steps", "slow_at"):
+        if getattr(args, name) is not None:
+            cfg[name] = getattr(args, name)
+    if not 0 < args.slow < 1:
+        raise UsageError(f"--slow must be a fraction in (0, 1), got {args.slow!r}")
+    if cfg["slow_at"] >= cfg["steps"]:
+        raise UsageError(f"--slow-at {cfg['slow_at']} must come before --steps {cfg['steps']}")
+    if args.ranks < 2:
+        raise UsageError(f"--ranks must be >= 2, got {args.ranks}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cfg.update(slow=args.slow, seed=args.seed, ranks=args.ranks, cores=int(cores),
+               share=min(1.0, cores / args.ranks))
+    out = writable_dir(args.out, "--out")
+    print(f"moebalance straggler: {cfg['ranks']} gloo ranks on {cfg['cores']} cores, each held to "
+          f"{cfg['share']:.2f} of a core; rank {cfg['ranks'] - 1} slows to {cfg['slow']} of that "
+          f"at step {cfg['slow_at']} of {cfg['steps']}; {cfg['layers']} layers x {cfg['experts']} "
+          f"experts top-2, D={cfg['hidden']} F={cfg['ffn']}, {cfg['tokens']} tokens per rank",
+          flush=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="moebalance-straggler-") as tmp:
+        path = os.path.join(tmp, "result.json")
+        launch(_worker, cfg["ranks"], args=(cfg, path))
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    elapsed = time.perf_counter() - started
+
+    m = result["measure"]
+    expected = np.array([MEASURE_SHARES[g % 4] for g in range(cfg["ranks"])])
+    speed = np.array(m["topology"]["speed"])
+    error = np.abs((speed / speed.max()) / (expected / expected.max()) - 1)
+    measure_lines = [
+        f"Topology.measure, ranks held to {' / '.join(f'{s:g}' for s in expected)} of a core: "
+        f"speeds {' / '.join(f'{s:.3f}' for s in speed)} (spread "
+        f"{' / '.join(f'{s:.3f}' for s in m['topology']['speed_spread'])}), largest error "
+        f"{error.max():.1%}, {m['seconds']:.2f} s"]
+    last = cfg["steps"] - cfg["steps"] // 3
+    rows, means = [], {}
+    for name, r in result["runs"].items():
+        step_s = np.array(r["step_s"])
+        means[name] = float(step_s[last:].mean())
+        rows.append([name, f"{step_s[2:cfg['slow_at']].mean() * 1e3:.1f}",
+                     f"{means[name] * 1e3:.1f}", str(len(r["history"])),
+                     f"{r['slow_rank_share_before']:.3f} / {r['slow_rank_share_after']:.3f}"])
+    fixed, tracked = result["runs"]["fixed topology"], result["runs"]["speed tracking"]
+    ratio = means["fixed topology"] / means["speed tracking"]
+    equal = bool(np.allclose(fixed["losses"], tracked["losses"], rtol=1e-5, atol=1e-7))
+    verdict = [f"steps {last}..{cfg['steps'] - 1}: speed tracking {ratio:.2f}x faster than the "
+               f"fixed topology; losses equal (rtol 1e-5): {'yes' if equal else 'NO'}"]
+    verdict += [f"re-plan at step {h['step']}: speeds {np.round(h.get('speeds', []), 3).tolist()}, "
+                f"{h['moves']} moves, migration {h['migration_s'] or 0:.3f} s"
+                for h in tracked["history"]]
+    info = machine_info(argv)
+    table = format_text(COLUMNS, rows)
+    print("\n".join(measure_lines))
+    print()
+    print(table)
+    print()
+    print("\n".join(verdict))
+    (out / "results.json").write_text(json.dumps(
+        {"machine": info, "config": cfg, "measure": m, "measure_error": error.tolist(),
+         "runs": result["runs"], "ratio_last_third": ratio, "losses_equal": equal,
+         "wall_s": elapsed}, indent=2) + "\n", encoding="utf-8")
+    md = markdown_header("moebalance straggler: measured speeds and re-planning", info) + [
+        f"- {cfg['ranks']} gloo ranks on {cfg['cores']} cores, one torch thread each",
+        *[f"- {line}" for line in measure_lines],
+        f"- straggler: {cfg['layers']} ExpertParallelMoE layers x {cfg['experts']} experts, "
+        f"top-2, D={cfg['hidden']}, F={cfg['ffn']}, {cfg['tokens']} tokens per rank, fp32, "
+        f"AdamW, balanced routing; every rank held to {cfg['share']:.2f} of a core, rank "
+        f"{cfg['ranks'] - 1} to {cfg['slow']} of that from step {cfg['slow_at']}", "",
+        format_markdown(COLUMNS, rows), "", *[f"- {v}" for v in verdict]]
+    (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``moebalance bench straggler`` as a function; ``argv`` excludes the program name."""
+    return run_subcommand("straggler", DESCRIPTION, add_arguments, run, argv)
