@@ -1,11 +1,13 @@
 """The planning method, one MoE layer at a time, and what its steps share: the devices as one
 structure (:class:`Devices`) and the tuning constants of more than one step.
 
-Every step is a file of :func:`~._jit.kernel` functions: plain Python over numpy arrays in the
-subset Numba compiles. Run as they are, they are the reference; :func:`._jit.kernels` gives the
-same functions compiled. Nothing in them validates: :func:`moebalance.plan` has checked the
-inputs. The method, per layer (E experts with loads ``w``, G devices with ``speed``/``slots``),
-in the order of the files:
+Every step is a file of :func:`~._jit.kernel` functions (plain Python over numpy arrays in the
+subset Numba compiles), with the numpy glue :func:`moebalance.plan` calls beside them. Run as
+they are, the kernels are the reference; :func:`._jit.kernels` gives the same functions
+compiled. Nothing in them validates: :func:`moebalance.plan` has checked the inputs.
+
+The method, per layer (E experts with loads ``w``, G devices with ``speed``/``slots``), in the
+order of the files:
 
 1. Counts (:mod:`.counts`): ``replica_counts``, spare slots one at a time to the expert with
    the largest load per replica, at most one per device.
