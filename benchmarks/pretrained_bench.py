@@ -1,4 +1,4 @@
-"""Peak memory of mb.from_pretrained per rank: see moebalance/benchmarks/pretrained.py.
+"""Peak memory of mb.from_pretrained per rank: see moebalance/lab/bench/pretrained.py.
 
     python benchmarks/pretrained_bench.py [--quick]   # same as: moebalance bench pretrained [--quick]
 """

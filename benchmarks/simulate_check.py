@@ -1,5 +1,5 @@
 """The simulator's step model against measured training steps, on 4 gloo ranks: see
-moebalance/benchmarks/simcheck.py.
+moebalance/lab/bench/simcheck.py.
 
     python benchmarks/simulate_check.py [--quick]     # same as: moebalance bench simcheck [--quick]
     python benchmarks/simulate_check.py --calibrate   # only measure this machine (calibration.json)

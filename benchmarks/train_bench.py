@@ -1,4 +1,4 @@
-"""Live-migration cost in training, on 4 gloo ranks: see moebalance/benchmarks/train.py.
+"""Live-migration cost in training, on 4 gloo ranks: see moebalance/lab/bench/train.py.
 
     python benchmarks/train_bench.py [--quick]        # same as: moebalance bench train [--quick]
 """

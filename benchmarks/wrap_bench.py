@@ -1,4 +1,4 @@
-"""A wrapped transformers MoE model against one process: see moebalance/benchmarks/wrap.py.
+"""A wrapped transformers MoE model against one process: see moebalance/lab/bench/wrap.py.
 
     python benchmarks/wrap_bench.py [--quick]         # same as: moebalance bench wrap [--quick]
 """

@@ -31,7 +31,7 @@ def jit_counts() -> tuple[int, int]:
 
     from .planner import _jit
 
-    kernels = list(vars(_jit.compiled()).values())
+    kernels = list(vars(_jit.kernels("numba")).values())
     dispatch = sys.modules.get("moebalance.dispatch.numba_kernels")  # only once something used it
     if dispatch is not None:
         kernels += [k for k in vars(dispatch).values() if isinstance(k, CPUDispatcher)]

@@ -746,7 +746,7 @@ def check_resplit(args, figures) -> str:
     from moebalance.planner import _jit
 
     rng = np.random.default_rng(args.seed)
-    kernel = _jit.compiled()
+    kernel = _jit.kernels("numba")
     times = []
     for uneven in (False, True):
         speed = rng.choice([1.0, 0.5], 64) if uneven else np.ones(64)

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moebalance as mb
-from moebalance.planner import JUDGE_SWEEPS, MoveCost, _jit, _sampled, algorithm, steps
+from moebalance.planner import MoveCost, _jit, steps
+from moebalance.planner.core import MAX_SWEEPS, devices_of
+from moebalance.planner.steps import JUDGE_SWEEPS, sampled
 from strategies import placement_cases
 
 
@@ -33,10 +35,9 @@ def _zipf(rng, num_layers, num_experts, tokens=4000.0):
     return out
 
 
-def _served(counts_TLE, p: mb.Placement, topo: mb.Topology, sweeps=algorithm.MAX_SWEEPS):
-    k = _jit.compiled()
-    return k.step_times(counts_TLE, p.phy2log, p.share.copy(), topo.speed, topo.slot_device,
-                        sweeps)
+def _served(counts_TLE, p: mb.Placement, topo: mb.Topology, sweeps=MAX_SWEEPS):
+    k = _jit.kernels("numba")
+    return k.step_times(counts_TLE, devices_of(topo), p.phy2log, p.share.copy(), sweeps)
 
 
 @settings(max_examples=30)
@@ -77,7 +78,7 @@ def test_window_plan_same_in_both_executions(case, data):
 def test_window_plan_serves_its_steps_no_worse_than_the_mean_plan(rng):
     topo = mb.Topology.from_arrays([1.0] * 4 + [0.5] * 2, [4] * 6)
     counts = _window(rng, _zipf(rng, 3, 20), 40)
-    judged = _sampled(counts)
+    judged = sampled(counts)
     plain, aware = mb.plan(counts.mean(axis=0), topo), mb.plan(counts, topo)
     aware.validate(topo)
     assert np.all(_served(judged, aware, topo, JUDGE_SWEEPS)
@@ -106,9 +107,8 @@ def test_liquid_experts_lie_on_one_ring_of_devices():
     rng = np.random.default_rng(3)
     topo = mb.Topology.uniform(8, 5)
     w = rng.uniform(50, 150, (1, 32))
-    k = _jit.compiled()
-    p2l, share = k.plan_steps(w, w.copy(), 0.25, topo.speed, topo.slots, topo.node,
-                              topo.slot_offsets, topo.slot_device, algorithm.MAX_SWEEPS)
+    k = _jit.kernels("numba")
+    p2l, share = k.plan_steps(w, w.copy(), 0.25, devices_of(topo), MAX_SWEEPS)
     p = mb.Placement(phy2log=p2l, share=share, slot_device=topo.slot_device, num_experts=32)
     p.validate(topo)
     # union-find over devices joined by a replicated expert

@@ -380,17 +380,18 @@ def test_move_cost_trades_moves_against_the_time_they_save(rng):
 
 
 def test_spread_aware_plans_serve_the_steps_at_least_as_well(rng):
-    from moebalance.planner import _jit, algorithm
+    from moebalance.planner import _jit
+    from moebalance.planner.core import MAX_SWEEPS, devices_of
 
     topo = mb.Topology.from_arrays([1.0] * 4 + [0.5] * 2, [4] * 6)
     steps = rng.poisson(_zipf_loads(rng, 3, 20, tokens=2000.0)[None] * rng.lognormal(
         0, 0.4, (40, 3, 20))).astype(np.float64)
     mean = steps.mean(axis=0)
-    k = _jit.compiled()
+    k = _jit.kernels("numba")
 
     def served(p):
-        return k.step_times(steps, p.phy2log.copy(), p.share.copy(), topo.speed,
-                            topo.slot_device, algorithm.MAX_SWEEPS)
+        return k.step_times(steps, devices_of(topo), p.phy2log.copy(), p.share.copy(),
+                            MAX_SWEEPS)
 
     plain, aware = mb.plan(mean, topo), mb.plan(mean, topo, spread=steps)
     aware.validate(topo)
@@ -411,3 +412,17 @@ def test_move_cost_and_spread_reject_bad_arguments():
         mb.plan(w, topo, move_cost=MoveCost(1.0, 1.0, 1, 1.0))
     with pytest.raises(ValueError, match=r"spread must be the per-step counts \[steps, 2, 4\]"):
         mb.plan(w, topo, spread=np.ones((2, 4)))
+
+
+def test_kernel_lookup_follows_the_chosen_planner_backend(isolated_backends):
+    from moebalance.backends import force_backend
+    from moebalance.planner import _jit, fresh
+
+    force_backend("planner", "numpy")
+    assert _jit.kernels().plan_fresh is fresh.plan_fresh  # the plain-Python reference
+    if mb.backends()["numba"]:
+        force_backend("planner", "numba")
+        assert _jit.kernels().plan_fresh is _jit.kernels("numba").plan_fresh
+        assert _jit.kernels().plan_fresh is not fresh.plan_fresh
+    with pytest.raises(ValueError, match="backend must be 'numba', 'numpy' or None"):
+        _jit.kernels("cuda")

@@ -16,7 +16,8 @@ from moebalance.backends import has_cupy_gpu, using_backend
 from moebalance.dispatch.routing import replica_table
 from moebalance.dispatch.shares import (optimal_max_time, resplit_plan, resplit_shares,
                                         resplit_shares_torch)
-from moebalance.planner import _jit, algorithm
+from moebalance.planner import _jit
+from moebalance.planner.core import MAX_SWEEPS, devices_of
 
 
 def _counts(gen, num_experts: int, zeros: float = 0.3) -> np.ndarray:
@@ -62,8 +63,8 @@ def test_compiled_kernel_equals_its_plain_python_run(seed, exact):
     plan = resplit_plan(table, topo.speed)
     for _ in range(3):
         w = _counts(gen, placement.num_experts)
-        fast = _run(_jit.compiled(), w, plan, table.share_EX, 2, exact)
-        slow = _run(_jit.interpreted(), w, plan, table.share_EX, 2, exact)
+        fast = _run(_jit.kernels("numba"), w, plan, table.share_EX, 2, exact)
+        slow = _run(_jit.kernels("numpy"), w, plan, table.share_EX, 2, exact)
         np.testing.assert_array_equal(fast[0], slow[0])
         np.testing.assert_array_equal(fast[1], slow[1])
 
@@ -77,7 +78,7 @@ def test_exact_resplit_reaches_the_lp_optimum_with_valid_shares(case, seed, swee
     w = _counts(gen, p.num_experts)
     table = replica_table(p, 0)
     plan = resplit_plan(table, topo.speed)
-    share, load = _run(_jit.compiled(), w, plan, table.share_EX, sweeps, True)
+    share, load = _run(_jit.kernels("numba"), w, plan, table.share_EX, sweeps, True)
     best = optimal_max_time(w, p.phy2log[0], p.slot_device, topo.speed)
     assert np.max(load / topo.speed) == pytest.approx(best, rel=1e-7, abs=1e-9)
     device_EX = plan.device_EX.numpy()
@@ -96,7 +97,7 @@ def test_exact_resplit_reaches_the_lp_optimum_on_large_planned_layers(seed):
     plan = resplit_plan(table, topo.speed)
     for _ in range(2):
         w = _counts(gen, placement.num_experts, zeros=0.05)
-        share, load = _run(_jit.compiled(), w, plan, table.share_EX, 2, True)
+        share, load = _run(_jit.kernels("numba"), w, plan, table.share_EX, 2, True)
         best = optimal_max_time(w, placement.phy2log[0], placement.slot_device, topo.speed)
         ideal = w.sum() / topo.speed.sum()
         assert abs(np.max(load / topo.speed) - best) <= 1e-6 * ideal
@@ -110,7 +111,7 @@ def test_kernel_sweeps_equal_the_torch_form(seed, sweeps):
     table = replica_table(placement, 0)
     plan = resplit_plan(table, topo.speed)
     w = _counts(gen, placement.num_experts)
-    share, _ = _run(_jit.compiled(), w, plan, table.share_EX, sweeps, False)
+    share, _ = _run(_jit.kernels("numba"), w, plan, table.share_EX, sweeps, False)
     reference = resplit_shares_torch(torch.from_numpy(w), table.share_EX, plan, sweeps=sweeps)
     np.testing.assert_allclose(share, reference.numpy(), rtol=1e-9, atol=1e-12)
 
@@ -122,7 +123,7 @@ def test_one_replica_everywhere_changes_nothing():
     table = replica_table(placement, 0)
     plan = resplit_plan(table, topo.speed)
     w = np.array([10.0, 0.0, 3.0, 7.0, 1.0, 2.0])
-    share, load = _run(_jit.compiled(), w, plan, table.share_EX, 2, True)
+    share, load = _run(_jit.kernels("numba"), w, plan, table.share_EX, 2, True)
     np.testing.assert_array_equal(share, table.share_EX.numpy())
     expect = np.zeros(3)
     np.add.at(expect, placement.slot_device, w[placement.phy2log[0]])
@@ -133,15 +134,16 @@ def test_per_step_loads_form_equals_the_layer_form_and_beats_the_planner_sweeps(
     gen, topo, placement = _planned_case(7, num_devices=8, slots=5, num_experts=24)
     counts_TE = np.stack([_counts(gen, 24) for _ in range(12)])
     args = (placement.phy2log[0], placement.share[0], topo.speed, placement.slot_device)
-    fast = _jit.compiled().resplit_loads(counts_TE, *args, 2, True)
-    slow = _jit.interpreted().resplit_loads(counts_TE, *args, 2, True)
+    fast = _jit.kernels("numba").resplit_loads(counts_TE, *args, 2, True)
+    slow = _jit.kernels("numpy").resplit_loads(counts_TE, *args, 2, True)
     np.testing.assert_array_equal(fast, slow)
     np.testing.assert_allclose(fast.sum(axis=1), counts_TE.sum(axis=1))
-    planner = _jit.compiled().resplit_device_loads(counts_TE, *args, algorithm.MAX_SWEEPS)
+    planner = _jit.kernels("numba").resplit_device_loads(counts_TE, devices_of(topo),
+                                                         *args[:2], MAX_SWEEPS)
     table = replica_table(placement, 0)
     plan = resplit_plan(table, topo.speed)
     for t in range(counts_TE.shape[0]):
-        _, load = _run(_jit.compiled(), counts_TE[t], plan, table.share_EX, 2, True)
+        _, load = _run(_jit.kernels("numba"), counts_TE[t], plan, table.share_EX, 2, True)
         np.testing.assert_allclose(fast[t], load, rtol=1e-12, atol=1e-9)
         assert (fast[t] / topo.speed).max() <= (planner[t] / topo.speed).max() * (1 + 1e-9)
 
@@ -158,7 +160,7 @@ def test_each_backend_runs_its_form():
     with using_backend("resplit", "numba"):
         numba_form = resplit_shares(torch.from_numpy(w), table.share_EX, plan)
     np.testing.assert_array_equal(numba_form.numpy(),
-                                  _run(_jit.compiled(), w, plan, table.share_EX, 2, True)[0])
+                                  _run(_jit.kernels("numba"), w, plan, table.share_EX, 2, True)[0])
     assert mb.backends()["resplit.cpu"] in ("numba", "torch")
 
 
@@ -184,7 +186,7 @@ def test_cuda_form_equals_the_numba_kernel(seed, exact):
     plan_gpu = resplit_plan(table.to("cuda"), topo.speed, device="cuda")
     for _ in range(3):
         w = _counts(gen, placement.num_experts, zeros=0.1)
-        cpu, _ = _run(_jit.compiled(), w, plan, table.share_EX, 2, exact)
+        cpu, _ = _run(_jit.kernels("numba"), w, plan, table.share_EX, 2, exact)
         gpu = resplit_shares_cuda(torch.from_numpy(w).cuda(), table.share_EX.cuda(), plan_gpu,
                                   sweeps=2, exact=exact)
         np.testing.assert_allclose(gpu.cpu().numpy(), cpu, rtol=1e-9, atol=1e-12)

@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import placement_cases
 
-from moebalance import Placement
+from moebalance import Placement, Topology
 from moebalance.dispatch.routing import replica_table
 from moebalance.dispatch.shares import (RESPLIT_SWEEPS, _colour_classes, device_loads,
                                         optimal_max_time, resplit_plan, resplit_shares)
 from moebalance.planner import _jit
+from moebalance.planner.core import devices_of
 
 
 def _slot_shares(table, share_EX: torch.Tensor, num_slots: int) -> np.ndarray:
@@ -27,12 +28,14 @@ def _slot_shares(table, share_EX: torch.Tensor, num_slots: int) -> np.ndarray:
 
 def _planner_max_time(w_E, placement: Placement, layer: int, speed_G) -> float:
     """The planner's own share step (balance_shares) from the placement's shares."""
-    k = _jit.compiled()
-    phy2log, device = placement.phy2log[layer], placement.slot_device
+    k = _jit.kernels("numba")
+    phy2log = placement.phy2log[layer]
     share = placement.share[layer].copy()
     speed = np.asarray(speed_G, dtype=np.float64)
-    load = k.device_loads(w_E, phy2log, share, device, len(speed))
-    k.balance_shares(w_E, speed, device, phy2log, share, load, 1000)
+    slots = np.bincount(placement.slot_device, minlength=len(speed))
+    dev = devices_of(Topology.from_arrays(speed, slots))
+    load = k.device_loads(w_E, dev, phy2log, share)
+    k.balance_shares(w_E, dev, phy2log, share, load, 1000)
     return float(np.max(load / speed))
 
 

@@ -11,7 +11,8 @@ import pytest
 
 import moebalance as mb
 from moebalance.cli import main as cli
-from moebalance.planner import _jit, algorithm
+from moebalance.planner import _jit
+from moebalance.planner.core import MAX_SWEEPS, devices_of
 from moebalance.lab.sim.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, ClusterSpec, GPUKind,
                                            ModelShape, cluster_preset, load_cluster, load_model)
 from moebalance.lab.sim.policies import (EPLBPeriodic, MoebalancePeriodic, Oracle,
@@ -251,15 +252,14 @@ def test_resplit_kernel_compiled_equals_reference_and_keeps_every_token():
     topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.25], slots=[6, 6, 6, 6])
     placement = mb.plan(rng.gamma(0.7, 100.0, size=(1, 16)), topology)
     counts = rng.gamma(0.7, 100.0, size=(30, 16))
-    args = (placement.phy2log[0], placement.share[0], topology.speed, topology.slot_device,
-            algorithm.MAX_SWEEPS)
-    fast = _jit.compiled().resplit_device_loads(counts, *args)
-    slow = _jit.interpreted().resplit_device_loads(counts, *args)
+    args = (devices_of(topology), placement.phy2log[0], placement.share[0], MAX_SWEEPS)
+    fast = _jit.kernels("numba").resplit_device_loads(counts, *args)
+    slow = _jit.kernels("numpy").resplit_device_loads(counts, *args)
     np.testing.assert_allclose(fast, slow, rtol=1e-12, atol=1e-9)
     np.testing.assert_allclose(fast.sum(axis=1), counts.sum(axis=1))
     for t in range(counts.shape[0]):
-        static = algorithm.device_loads(counts[t], placement.phy2log[0], placement.share[0],
-                                        topology.slot_device, 4)
+        static = _jit.kernels("numpy").device_loads(counts[t], devices_of(topology),
+                                                    placement.phy2log[0], placement.share[0])
         best, _ = best_resplit(counts[t], placement.phy2log[0], topology)
         hottest = (fast[t] / topology.speed).max()
         assert best - 1e-6 <= hottest <= (static / topology.speed).max() + 1e-6

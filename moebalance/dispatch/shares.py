@@ -88,7 +88,7 @@ class ResplitPlan:
 
 def _kernels():
     """The re-split kernels: compiled where Numba is, else run as plain Python."""
-    return _jit.compiled() if has_numba() else _jit.interpreted()
+    return _jit.kernels("numba" if has_numba() else "numpy")
 
 
 def _colour_classes(device_EX: np.ndarray, num_devices: int) -> list[np.ndarray]:
@@ -215,9 +215,9 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
         share = share_EX.to(torch.float64, copy=True)
         load = torch.empty(plan.speed_G.shape[0], dtype=torch.float64)
         w = w_E.to(torch.float64).contiguous()
-        _jit.compiled().resplit_layer(w.numpy(), plan.device_EX.numpy(), plan.speed_G.numpy(),
-                                      plan.order_V.numpy(), share.numpy(), load.numpy(),
-                                      int(sweeps), bool(exact))
+        _jit.kernels("numba").resplit_layer(w.numpy(), plan.device_EX.numpy(),
+                                            plan.speed_G.numpy(), plan.order_V.numpy(),
+                                            share.numpy(), load.numpy(), int(sweeps), bool(exact))
         return share
     return resplit_shares_torch(w_E, share_EX, plan)
 

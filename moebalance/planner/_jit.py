@@ -1,15 +1,19 @@
 """One algorithm, two executions: plain Python (the reference) and Numba (the fast path).
 
 The planner's kernels are written once, in the subset of Python that Numba compiles, and marked
-with :func:`kernel`. :func:`interpreted` returns them as they are; :func:`compiled` returns
-``numba.njit`` copies whose calls to each other resolve to the compiled copies. Tests run both on
-random inputs and require identical placements, so a Numba-only bug cannot hide.
+with :func:`kernel`. :func:`kernels` is the one lookup: ``"numpy"`` gives them as they are,
+``"numba"`` gives ``numba.njit`` copies whose calls to each other resolve to the compiled
+copies, and no name follows :func:`moebalance.backends` (part ``planner``, forcing included).
+Tests run both on random inputs and require identical placements, so a Numba-only bug cannot
+hide.
 """
 
 from __future__ import annotations
 
 import types
 from typing import Callable
+
+from ..backends import backend as chosen_backend
 
 _KERNELS: dict[str, Callable] = {}
 
@@ -20,14 +24,23 @@ def kernel(fn: Callable) -> Callable:
     return fn
 
 
-def interpreted() -> types.SimpleNamespace:
-    return types.SimpleNamespace(**_KERNELS)
+def kernels(backend: str | None = None) -> types.SimpleNamespace:
+    """Every registered kernel, by name: run as plain Python (``backend="numpy"``), compiled by
+    Numba (``"numba"``), or as the planner's backend is chosen now (None:
+    :func:`moebalance.backends`, which honours ``force_backend`` and ``MOEBALANCE_PLANNER``)."""
+    if backend is None:
+        backend = chosen_backend("planner")
+    if backend == "numba":
+        return _compiled_kernels()
+    if backend == "numpy":
+        return types.SimpleNamespace(**_KERNELS)
+    raise ValueError(f"backend must be 'numba', 'numpy' or None, got {backend!r}")
 
 
 _compiled: types.SimpleNamespace | None = None
 
 
-def compiled() -> types.SimpleNamespace:
+def _compiled_kernels() -> types.SimpleNamespace:
     """Numba-compiled copies of every kernel (compiled lazily on first call, cached on disk)."""
     global _compiled
     # Rebuild when kernels were registered after the last build (a module imported later).

@@ -1,16 +1,16 @@
 """moebalance's drop-in for DeepSeek EPLB's ``rebalance_experts``: same arguments, same outputs.
 
-It is EPLB's argument checks, then the planner's own steps (:mod:`.algorithm`) with EPLB's equal
+It is EPLB's argument checks, then the planner's own steps (:mod:`.core`) with EPLB's equal
 split of every expert's tokens over its replicas:
 
 1. Hierarchical policy (``num_groups % num_nodes == 0``): expert groups, heaviest first, to the
-   lightest node with room (:func:`~.algorithm.pack_replicas` on a cluster of nodes), every
+   lightest node with room (:func:`~.packing.pack_replicas` on a cluster of nodes), every
    node ``num_groups / num_nodes`` groups. Otherwise one node holds every expert (EPLB's
    "global" policy).
-2. On every node, its experts on its GPUs: replica counts (:func:`~.algorithm.replica_counts`,
+2. On every node, its experts on its GPUs: replica counts (:func:`~.counts.replica_counts`,
    each spare slot to the largest load per replica, at most one replica per GPU), replicas
    heaviest first to the lightest GPU with room that lacks the expert
-   (:func:`~.algorithm.pack_replicas`), then swaps of two replicas between the hottest GPU and
+   (:func:`~.packing.pack_replicas`), then swaps of two replicas between the hottest GPU and
    a lighter one while they lower the hottest (:func:`refine_equal`).
 3. EPLB's output conventions: ``phy2log``, ``log2phy`` and ``logcnt``.
 
@@ -28,10 +28,11 @@ import warnings
 import numpy as np
 
 from .._check import as_loads, positive_int, to_numpy
-from ..backends import backend as _choose_backend
 from . import _jit
 from ._jit import kernel
-from .algorithm import pack_replicas, replica_counts
+from .core import alike_devices
+from .counts import replica_counts
+from .packing import PACK_BY_NEED, PACK_DISTINCT, pack_replicas
 
 # Swaps per node and layer, as a fraction of the node's slots: a bound on the worst case;
 # refinement usually stops earlier (no improving swap left).
@@ -184,23 +185,19 @@ def dropin_layer(w, num_replicas, num_groups, num_nodes, num_gpus, distinct, max
     group_w = np.zeros(num_groups, dtype=np.float64)
     for e in range(E):
         group_w[e // group_size] += w[e]
-    node_offsets = np.arange(num_nodes + 1, dtype=np.int64) * (num_groups // num_nodes)
+    nodes = alike_devices(num_nodes, num_groups // num_nodes)
+    node_offsets = nodes.slot_offsets
     group_at = np.full(num_groups, -1, dtype=np.int64)
     unused = np.empty(num_groups, dtype=np.float64)
-    pack_replicas(group_w, np.ones(num_groups, dtype=np.int64), np.ones(num_nodes),
-                  np.full(num_nodes, num_groups // num_nodes, dtype=np.int64),
-                  np.zeros(num_nodes, dtype=np.int64), node_offsets, group_at, unused, False,
-                  True)
+    pack_replicas(group_w, np.ones(num_groups, dtype=np.int64), nodes, group_at, unused,
+                  PACK_DISTINCT)
     # 2. each node's experts on its GPUs
     experts = np.empty((num_nodes, per_node), dtype=np.int64)
     w_node = np.empty((num_nodes, per_node), dtype=np.float64)
     counts = np.empty((num_nodes, per_node), dtype=np.int64)
     local = np.full((num_nodes, slots_per_node), -1, dtype=np.int64)
     peak = np.zeros(num_nodes, dtype=np.float64)
-    gpu_offsets = np.arange(gpus_per_node + 1, dtype=np.int64) * per_gpu
-    ones = np.ones(gpus_per_node)
-    per_gpu_slots = np.full(gpus_per_node, per_gpu, dtype=np.int64)
-    same_node = np.zeros(gpus_per_node, dtype=np.int64)
+    gpus = alike_devices(gpus_per_node, per_gpu)
     shares = np.empty(slots_per_node, dtype=np.float64)
     for n in range(num_nodes):
         k = 0
@@ -212,8 +209,8 @@ def dropin_layer(w, num_replicas, num_groups, num_nodes, num_gpus, distinct, max
         # -1: every spare slot gets a replica, even of an expert without load (as in EPLB)
         counts[n] = replica_counts(w_node[n], slots_per_node,
                                    gpus_per_node if distinct else slots_per_node, -1.0)
-        pack_replicas(w_node[n], counts[n], ones, per_gpu_slots, same_node, gpu_offsets,
-                      local[n], shares, False, distinct)
+        pack_replicas(w_node[n], counts[n], gpus, local[n], shares,
+                      PACK_DISTINCT if distinct else PACK_BY_NEED)
         # a replica no GPU could take (rare): its slot takes the heaviest piece it lacks
         for s in range(slots_per_node):
             if local[n, s] < 0:
@@ -296,11 +293,10 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     if forced:
         warnings.warn(_duplicate_warning(E, R, int(num_groups), int(num_nodes), G, hierarchical),
                       stacklevel=2)
-    kernels = _jit.compiled() if (backend or _choose_backend("planner")) == "numba" \
-        else _jit.interpreted()
+    kernels = _jit.kernels(backend)
     max_swaps = max(1, int(SWAPS_PER_SLOT * (R // nodes)))
-    phy2log, log2phy, logcnt = kernels.dropin_layers(w, R, groups, nodes, G, not forced,
-                                                     max_swaps)
+    phy2log, log2phy, logcnt = kernels.dropin_layers(w, R, groups, nodes, G,
+                                                     distinct=not forced, max_swaps=max_swaps)
     if type(weight).__module__.startswith("torch"):
         import torch
 

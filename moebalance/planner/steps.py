@@ -2,7 +2,7 @@
 
 Kernels (:func:`~._jit.kernel`, plain Python and Numba alike) for ``plan(counts_TLE)``, the
 window of per-step counts ``[T, L, E]``. A step's time is its hottest device *after* the
-per-step re-split (:func:`.algorithm.balance_shares` on that step's counts), and the re-split
+per-step re-split (:func:`.shares.balance_shares` on that step's counts), and the re-split
 can move tokens only along the placement's replicas. Measured on the window's steps, what a
 plan leaves above the step's ideal is almost all on experts with one replica (a device's
 *singles*): their tokens cannot leave it, so ``max_g singles_g(t) / speed_g`` bounds the step
@@ -27,12 +27,12 @@ from below whatever the shares. Hence the rule (:func:`step_layer`):
    equal share: mid-range, so the re-split can move load either way.
 3. **Singles, largest first**, each to the device with a free slot whose singles and mean load
    are lowest (:data:`SINGLE_WEIGHT`): devices end with similar rigid load and similar mean.
-4. **Shares for the mean** (water filling, :func:`.algorithm.balance_shares`): the shares in
+4. **Shares for the mean** (water filling, :func:`.shares.balance_shares`): the shares in
    force between re-splits balance the window's mean as far as the ring allows.
 
 ``plan()`` keeps, per layer, whichever candidate (the plan for the steps, the window-mean
 plan and, with ``previous``, the placement in service and its repair) finishes the window's
-sampled steps earliest after the re-split (:func:`.algorithm.step_times`).
+sampled steps earliest after the re-split (:func:`.shares.step_times`).
 
 Shapes: T steps, E experts, G devices, S slots (grouped by device), L layers.
 """
@@ -41,9 +41,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..topology import Topology
 from ._jit import kernel
-from .algorithm import (add_valves, balance_shares, device_loads, heap_pop, heap_push,
-                        heap_sift_down, holds_expert, max_time)
+from .chain import holds_expert
+from .core import MAX_SWEEPS, devices_of
+from .counts import replica_counts
+from .packing import add_valves
+from .repair import layer_moves, repair_towards
+from .shares import balance_shares, device_loads, max_time
 
 # A single goes to the device that minimises ``SINGLE_WEIGHT * its singles + (1 -
 # SINGLE_WEIGHT) * its mean load above fair`` (per speed): singles alone would leave the mean
@@ -51,6 +56,13 @@ from .algorithm import (add_valves, balance_shares, device_loads, heap_pop, heap
 # pieces are small. Measured on the generated DeepSeek-V3 trace at 64 devices, per-step
 # imbalance after the re-split: 1.064 (1.0), 1.057 (0.5), 1.060 (0.25).
 SINGLE_WEIGHT = 0.5
+# Steps of a window a plan for the steps is judged on (evenly spaced; all when fewer).
+STEP_SAMPLES = 8
+# Share sweeps of the re-split when judging candidates on those steps: they start from shares
+# balanced for the mean, and a ranking needs less precision than the dispatcher's re-split.
+JUDGE_SWEEPS = 4
+# (spread_k, piece_cap) of the plans for the steps tried per layer.
+STEP_SETTINGS = ((1.0, 0.25),)
 
 
 @kernel
@@ -59,22 +71,10 @@ def step_replica_counts(q, num_slots, num_devices, cap):
     piece first) until no piece exceeds ``cap``, then second replicas to the largest experts
     that have one, while spare slots last. ``sum <= num_slots``, each ``<= num_devices``."""
     E = q.shape[0]
-    r = np.ones(E, dtype=np.int64)
-    extra = num_slots - E
-    if extra <= 0 or num_devices <= 1:
+    r = replica_counts(q, num_slots, num_devices, cap)
+    if num_devices <= 1:
         return r
-    keys = q.copy()
-    ids = np.arange(E)
-    size = E
-    for i in range(E // 2 - 1, -1, -1):
-        heap_sift_down(keys, ids, size, i)
-    while extra > 0 and size > 0 and keys[0] > cap:
-        e = ids[0]
-        size = heap_pop(keys, ids, size)
-        r[e] += 1
-        extra -= 1
-        if r[e] < num_devices:
-            size = heap_push(keys, ids, size, q[e] / r[e], e)
+    extra = num_slots - r.sum()
     order = np.argsort(-q, kind="mergesort")
     for i in range(E):
         if extra <= 0:
@@ -87,10 +87,11 @@ def step_replica_counts(q, num_slots, num_devices, cap):
 
 
 @kernel
-def single_slots(num_singles, speed, slots):
+def single_slots(num_singles, dev):
     """[G] int64: slots of each device for single experts, about in proportion to speed (largest
     remainders), leaving every device at least one slot for pieces of liquid experts when
     the slots allow it."""
+    speed, slots = dev.speed, dev.slots
     G = speed.shape[0]
     n = np.zeros(G, dtype=np.int64)
     room = np.empty(G, dtype=np.int64)
@@ -101,7 +102,6 @@ def single_slots(num_singles, speed, slots):
     if num_singles > total_room:
         for g in range(G):
             room[g] = slots[g]
-    total_speed = speed.sum()
     left = num_singles
     # one at a time to the device furthest below its speed's share of the singles
     for _ in range(num_singles):
@@ -121,7 +121,7 @@ def single_slots(num_singles, speed, slots):
 
 
 @kernel
-def liquid_ring(order, r, n_single, slots, slot_offsets, out_p):
+def liquid_ring(order, r, n_single, dev, out_p):
     """Lay the replicas of the liquid experts (``r >= 2``), taken in ``order``, into every
     device's first ``slots - n_single`` slots: two replicas of each expert form one ring (the
     pairs are listed expert by expert and each position takes the next one in the list, so a
@@ -130,6 +130,7 @@ def liquid_ring(order, r, n_single, slots, slot_offsets, out_p):
     spread evenly around the ring, one expert after another, so that they join distant parts
     of the ring (shortcuts: a step's excess need not walk around it). Returns the number of
     replicas laid (fewer than listed when the devices have fewer piece slots)."""
+    slots, slot_offsets = dev.slots, dev.slot_offsets
     N = order.shape[0]
     G = slots.shape[0]
     S = slot_offsets[G]
@@ -215,13 +216,14 @@ def unique_on_devices(slot_offsets, phy2log):
 
 
 @kernel
-def step_layer(w, q, piece_cap, speed, slots, node, slot_offsets, slot_device, max_sweeps,
-               out_p, out_s):
+def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
     """One layer's plan for the steps into ``out_p`` / ``out_s`` [S] (see the module
     docstring): replica counts from ``q`` [E] (pieces at most ``piece_cap`` of the fastest
     device's fair load), the liquid experts laid as one ring over the devices, the singles,
     largest first, to the device furthest below its fair share of the mean ``w`` [E], shares
     water-filled for ``w``."""
+    speed, slots = dev.speed, dev.slots
+    slot_offsets, slot_device = dev.slot_offsets, dev.slot_device
     E = w.shape[0]
     G = speed.shape[0]
     S = slot_device.shape[0]
@@ -236,7 +238,7 @@ def step_layer(w, q, piece_cap, speed, slots, node, slot_offsets, slot_device, m
     for e in range(E):
         if r[e] == 1:
             num_singles += 1
-    n_single = single_slots(num_singles, speed, slots)
+    n_single = single_slots(num_singles, dev)
     by_q = np.argsort(-q, kind="mergesort")
     # liquid experts alternately large and small around the ring: neighbouring devices share
     # a large and a small one, so the flow that balances them stays inside every piece
@@ -257,7 +259,7 @@ def step_layer(w, q, piece_cap, speed, slots, node, slot_offsets, slot_device, m
             hi -= 1
     out_p[:] = -1
     out_s[:] = 0.0
-    liquid_ring(ring, r, n_single, slots, slot_offsets, out_p)
+    liquid_ring(ring, r, n_single, dev, out_p)
     unique_on_devices(slot_offsets, out_p)
     placed = np.zeros(E, dtype=np.int64)
     for s in range(S):
@@ -306,22 +308,82 @@ def step_layer(w, q, piece_cap, speed, slots, node, slot_offsets, slot_device, m
             out_s[s] = 0.0
     for e in range(E):
         r[e] = placed[e]
-    add_valves(w, r, speed, slots, slot_offsets, out_p, out_s, slot_device)
-    load = device_loads(w, out_p, out_s, slot_device, G)
-    balance_shares(w, speed, slot_device, out_p, out_s, load, max_sweeps)
+    add_valves(w, r, dev, out_p, out_s)
+    load = device_loads(w, dev, out_p, out_s)
+    balance_shares(w, dev, out_p, out_s, load, max_sweeps)
     return max_time(load, speed)
 
 
 @kernel
-def plan_steps(loads, high, piece_cap, speed, slots, node, slot_offsets, slot_device,
-               max_sweeps):
+def plan_steps(loads, high, piece_cap, dev, max_sweeps):
     """:func:`step_layer` for every layer: (phy2log [L, S], share [L, S]) from the mean
     ``loads`` [L, E] and the high levels ``high`` [L, E]."""
     L = loads.shape[0]
-    S = slot_device.shape[0]
+    S = dev.slot_device.shape[0]
     phy2log = np.empty((L, S), dtype=np.int64)
     share = np.empty((L, S), dtype=np.float64)
     for layer in range(L):
-        step_layer(loads[layer], high[layer], piece_cap, speed, slots, node, slot_offsets,
-                   slot_device, max_sweeps, phy2log[layer], share[layer])
+        step_layer(loads[layer], high[layer], piece_cap, dev, max_sweeps, phy2log[layer],
+                   share[layer])
     return phy2log, share
+
+
+def sampled(counts_TLE: np.ndarray) -> np.ndarray:
+    """At most ``STEP_SAMPLES`` steps of the window, evenly spaced (all when fewer)."""
+    T = counts_TLE.shape[0]
+    if T <= STEP_SAMPLES:
+        return counts_TLE
+    return np.ascontiguousarray(counts_TLE[np.linspace(0, T - 1, STEP_SAMPLES).round().astype(int)])
+
+
+def judged_times(k, counts_TLE, phy2log, share, topology: Topology) -> np.ndarray:
+    """[L] mean hottest time over the steps of ``counts_TLE`` after the per-step re-split."""
+    return k.step_times(counts_TLE, devices_of(topology), phy2log, share.copy(), JUDGE_SWEEPS)
+
+
+def best_for_steps(k, w, counts_TLE, topology: Topology, fresh, previous, max_moves, move_cost,
+                   tolerance):
+    """Per layer, the candidate that serves the steps of ``counts_TLE`` best (see
+    ``plan(spread=...)``); ``fresh`` is the window-mean plan (phy2log, share) [L, S].
+    Returns (phy2log, share) [L, S]."""
+    best_p, best_s = fresh[0].copy(), fresh[1].copy()
+    best_t = judged_times(k, counts_TLE, best_p, best_s, topology)
+    std = counts_TLE.std(axis=0)
+    for spread_k, piece_cap in STEP_SETTINGS:
+        p, s = k.plan_steps(w, np.ascontiguousarray(w + spread_k * std), piece_cap,
+                            devices_of(topology), MAX_SWEEPS)
+        t = judged_times(k, counts_TLE, p, s, topology)
+        better = t < best_t * (1.0 - 1e-9)
+        best_p[better], best_s[better], best_t[better] = p[better], s[better], t[better]
+    if previous is None:
+        return best_p, best_s
+    E = w.shape[1]
+    ideal = w.sum(axis=1) / topology.speed.sum()
+    rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, fresh, max_moves,
+                                                     tolerance)
+    # options per layer: 0 the placement in service (shares re-split), 1 its repair, 2 fresh
+    opt_p = np.stack([previous.phy2log, rep_p, best_p])
+    opt_s = np.stack([kept_s, rep_s, best_s])
+    opt_t = np.stack([judged_times(k, counts_TLE, previous.phy2log, kept_s, topology),
+                      judged_times(k, counts_TLE, rep_p, rep_s, topology), best_t])
+    opt_m = np.stack([np.zeros_like(rep_moves), rep_moves,
+                      layer_moves(best_p, previous.phy2log, topology, E)])
+    price = 0.0 if move_cost is None else move_cost.per_move
+    # a change must beat the placement in service by the tolerance and pay for its moves
+    saved = (opt_t[0] - opt_t) / max(ideal.sum(), 1e-300)
+    worth = (opt_t <= opt_t[0] * (1.0 - tolerance)) & (saved > opt_m * price)
+    worth[0] = True
+    score = np.where(worth, opt_t, np.inf)
+    choice = score.argmin(axis=0)
+    L = w.shape[0]
+    if max_moves is not None:
+        # over the budget: fall back, layer by layer, where a move buys least
+        while opt_m[choice, np.arange(L)].sum() > max_moves:
+            gain = np.full(L, np.inf)
+            for layer in np.flatnonzero(choice > 0):
+                c = choice[layer]
+                gain[layer] = (opt_t[c - 1, layer] - opt_t[c, layer]) / max(
+                    opt_m[c, layer] - opt_m[c - 1, layer], 1)
+            choice[int(gain.argmin())] -= 1
+    rows = np.arange(L)
+    return opt_p[choice, rows].copy(), opt_s[choice, rows].copy()

@@ -179,7 +179,7 @@ def kernel_rows(quick: bool, sweeps: int) -> list[KernelRow]:
             speed=[1.0] * (G // 2) + [0.5] * (G - G // 2), slots=[c["slots"]] * G,
             node=[g // 8 for g in range(G)]),
     }
-    k = _jit.compiled()
+    k = _jit.kernels("numba")
 
     def numba_form(w, table, plan, exact, n):
         share = table.share_EX.numpy().copy()

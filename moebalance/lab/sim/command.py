@@ -340,8 +340,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                       "imbalance": r.imbalance.round(5).tolist(),
                       "layer_loads": r.layer_loads.tolist()} for r in sim.runs],
             "plot": plot.name if plot else None})
-    md += ["Step model: moebalance/simulation/stepmodel.py (formulas in its docstring); "
-           "policies: moebalance/simulation/policies.py."]
+    md += ["Step model: moebalance/lab/sim/stepmodel.py (formulas in its docstring); "
+           "policies: moebalance/lab/sim/policies.py."]
     (out / "results.json").write_text(json.dumps({"machine": info, "results": results}) + "\n",
                                       encoding="utf-8")
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
