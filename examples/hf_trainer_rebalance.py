@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.launch import launch
 from moebalance.lab.models import TextBatches, tiny_hf_moe
+from moebalance.launch import launch
 
 from _step_imbalance import StepImbalance
 

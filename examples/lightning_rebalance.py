@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.launch import launch, under_torchrun
 from moebalance.lab.models import TextBatches, tiny_hf_moe
+from moebalance.launch import launch, under_torchrun
 
 from _step_imbalance import StepImbalance
 

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
+from moebalance.frameworks import active_ddp
+from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
+from moebalance.launch import launch, under_torchrun
 from moebalance.nn.checkpoint import expert_state_dict
 from moebalance.nn.slots import moe_layers
-from moebalance.frameworks import active_ddp
-from moebalance.launch import launch, under_torchrun
-from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 
 from _step_imbalance import bought
 

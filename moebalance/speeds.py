@@ -281,8 +281,8 @@ class SpeedTracker:
         measured speeds: (new topology, the loads to plan for) if the expected saving over
         ``horizon`` steps beats the moves' price, else None. Collective when the speeds moved
         (it reads the reduced loads); every rank decides alike from the same figures."""
-        from .nn.slots import current_placement
         from .metrics import summary_imbalance
+        from .nn.slots import current_placement
         from .planner import plan
 
         if self.steps % self.every or self.speed is None:

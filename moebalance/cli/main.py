@@ -31,8 +31,15 @@ from typing import Sequence
 
 import numpy as np
 
-from .args import (ArgumentParser, UsageError, nonneg_int_arg, read_loads, read_placement,
-                   run_guarded, writable_file)
+from .args import (
+    ArgumentParser,
+    UsageError,
+    nonneg_int_arg,
+    read_loads,
+    read_placement,
+    run_guarded,
+    writable_file,
+)
 from .topology_flags import add_topology_arguments, topology_from_args
 
 COMMANDS = ("bench", "plan", "inspect", "simulate")

@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from .checks import (check_combine, check_combine_weight_grad, check_expert_ids, check_gather_rows,
-                     check_index_values, check_out, check_route, check_slot_values,
-                     check_sort_by_slot)
+from .checks import (
+    check_combine,
+    check_combine_weight_grad,
+    check_expert_ids,
+    check_gather_rows,
+    check_index_values,
+    check_out,
+    check_route,
+    check_slot_values,
+    check_sort_by_slot,
+)
 
 __all__ = ["compute_dtype", "route", "sort_by_slot", "gather_rows", "combine",
            "combine_weight_grad"]

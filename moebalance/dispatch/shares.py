@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from .._check import integer
-
 from ..backends import backend, has_numba
 from ..planner import _jit
 from .resplit_kernel import RESPLIT_SWEEPS

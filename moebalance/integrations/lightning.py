@@ -38,8 +38,8 @@ except ImportError:  # the standalone package name
         raise ImportError("moebalance.integrations.lightning needs Lightning 2.x: "
                           "pip install 'moebalance[lightning]' (or lightning>=2.2)") from exc
 
-from ..nn import checkpoint
 from ..frameworks import exclude_experts_from_ddp
+from ..nn import checkpoint
 from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
 from .loop import Rebalancer, torch_optimizer

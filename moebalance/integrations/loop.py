@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 from torch import nn
-from .._check import optional_positive_int
 
+from .._check import optional_positive_int
 from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
 from ..migrate.transfer import MigrationError, Migrator

@@ -46,10 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.dispatcher import Dispatcher
-from ..nn.slots import ExpertSlots, current_placement, moe_layers
 from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
-from ..placement import Placement
 from ..nn.grad_sync import GradientSync
+from ..nn.slots import ExpertSlots, current_placement, moe_layers
+from ..placement import Placement
 from ..topology import Topology
 from .routers import attach, moe_blocks
 

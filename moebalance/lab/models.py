@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.moe import DenseMoE, ExpertParallelMoE
-from ..placement import Placement
 from ..frameworks import check_ddp
 from ..nn.grad_sync import GradientSync
+from ..nn.moe import DenseMoE, ExpertParallelMoE
+from ..placement import Placement
 
 __all__ = ["MoELanguageModel", "lm_loss", "stdlib_corpus", "TextBatches", "tiny_hf_moe"]
 

@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import __version__
-from . import workloads
 from ..backends import backends
+from . import workloads
 
 __all__ = ["format_text", "format_markdown", "machine_info", "legend_entries", "legend_text",
            "legend_markdown", "PLANNER_PLOT_CAPTION", "add_caption"]

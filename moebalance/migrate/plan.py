@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from .._check import positive_int
 
+from .._check import positive_int
 from ..placement import Placement
 from ..topology import Topology
 

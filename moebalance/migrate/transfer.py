@@ -55,8 +55,15 @@ import torch.distributed as dist
 from ..collective_errors import GroupError
 from ..device_index import to_device_async
 from .plan import MigrationPlan
-from .wire import (MIGRATION_NUMBERS, MIGRATION_TAG_BASE, MIGRATION_TAG_KINDS, MIGRATION_TAG_LAYERS,
-                   flag_device, group_key, same_everywhere)
+from .wire import (
+    MIGRATION_NUMBERS,
+    MIGRATION_TAG_BASE,
+    MIGRATION_TAG_KINDS,
+    MIGRATION_TAG_LAYERS,
+    flag_device,
+    group_key,
+    same_everywhere,
+)
 
 __all__ = ["Migrator", "Migration", "MigrationError"]
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .slots import ExpertSlots, current_placement, first_holder_rows, moe_layers
 from ..placement import Placement
+from .slots import ExpertSlots, current_placement, first_holder_rows, moe_layers
 
 __all__ = ["expert_state_dict", "load_expert_state_dict", "save", "load"]
 

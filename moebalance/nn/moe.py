@@ -27,13 +27,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..collective_errors import Attempt, take_backward_failure
 from .._check import positive_int
+from ..collective_errors import Attempt, take_backward_failure
 from ..dispatch.dispatcher import Dispatcher
-from .slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
-                           moe_layers, reduce_replica_gradients)
 from ..frameworks import check_ddp
 from ..placement import Placement
+from .slots import (
+    ExpertSlots,
+    apply_placement,
+    clip_grad_norm_,
+    current_placement,
+    moe_layers,
+    reduce_replica_gradients,
+)
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]

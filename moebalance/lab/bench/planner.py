@@ -48,21 +48,34 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import workloads
 from ...backends import backend, has_numba
-from ...cli.args import (ArgumentParser, UsageError, nonneg_int_arg, positive_int_arg, run_guarded,
-                        writable_dir)
+from ...cli.args import (
+    ArgumentParser,
+    UsageError,
+    nonneg_int_arg,
+    positive_int_arg,
+    run_guarded,
+    writable_dir,
+)
 from ...metrics import balancedness, imbalance, summary_imbalance
 from ...placement import Placement
 from ...planner import plan, rebalance_experts
 from ...topology import Topology
 from .. import eplb_reference as eplb
+from .. import workloads
+from ..report import (
+    PLANNER_PLOT_CAPTION,
+    add_caption,
+    format_markdown,
+    format_text,
+    legend_markdown,
+    legend_text,
+    machine_info,
+)
 from .migration import BUDGETS_PCT, FRONTIER_COLUMNS, frontier_cells, plot_frontier, run_frontier
 from .per_step import optimal_share_figures, per_step_figures
 from .verdict import COLUMNS as VERDICT_COLUMNS
 from .verdict import verdict_cells, verdict_legend, verdict_text
-from ..report import (PLANNER_PLOT_CAPTION, add_caption, format_markdown, format_text,
-                     legend_markdown, legend_text, machine_info)
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")

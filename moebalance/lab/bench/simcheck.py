@@ -61,10 +61,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ..._check import positive_int
-from ..report import format_markdown, format_text, machine_info, markdown_header, phase
-from ..report import timed
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..report import format_markdown, format_text, machine_info, markdown_header, phase, timed
 
 PROG = "moebalance bench simcheck"  # the prefix of its progress lines
 
@@ -349,6 +348,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
     import torch.distributed as dist
 
     import moebalance as mb
+
     from ...nn.moe import SlotExperts
     from ..sim.cluster import ClusterSpec
     from ..sim.stepmodel import StepModel
@@ -455,6 +455,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     import torch.distributed as dist
 
     import moebalance as mb
+
     from ...migrate.transfer import Migrator
     from ..sim.cluster import ClusterSpec, ModelShape
     from ..workloads import trace_loads

@@ -110,8 +110,9 @@ def straggler_run(cfg: dict, track: bool) -> dict:
     import torch.distributed as dist
 
     import moebalance as mb
-    from .simcheck import CoreShare
+
     from ..report import timed
+    from .simcheck import CoreShare
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = cfg.get("share")
@@ -176,6 +177,7 @@ def measure_run(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import moebalance as mb
+
     from .simcheck import CoreShare
 
     rank, world = dist.get_rank(), dist.get_world_size()

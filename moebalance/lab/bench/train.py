@@ -35,8 +35,16 @@ from typing import Sequence
 import numpy as np
 
 from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
-from ..report import (format_markdown, format_text, machine_info, markdown_header, part_of, phase,
-                      slowest, timed)
+from ..report import (
+    format_markdown,
+    format_text,
+    machine_info,
+    markdown_header,
+    part_of,
+    phase,
+    slowest,
+    timed,
+)
 
 PROG = "moebalance bench train"  # the prefix of its progress lines
 
@@ -93,9 +101,9 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     import torch.distributed as dist
 
     import moebalance as mb
-    from moebalance.migrate.transfer import Migrator
     from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
     from moebalance.lab.workloads import trace_loads
+    from moebalance.migrate.transfer import Migrator
 
     speeds = [1.0 if g < (world + 1) // 2 else 0.5 for g in range(world)]
     topology = mb.Topology.from_arrays(speed=speeds, slots=[cfg["slots"]] * world)
@@ -183,8 +191,8 @@ def sync_bytes_at_scale(row_bytes: int = 3 * 7168 * 2048 * 2) -> dict:
     not timed): 58 layers x 256 experts planned onto 320 slots of 64 devices for the built-in
     moderate workload; one expert row is 3 x 7168 x 2048 bf16 elements."""
     import moebalance as mb
-    from moebalance.nn.grad_sync import HolderExchange
     from moebalance.lab.workloads import synthetic_loads
+    from moebalance.nn.grad_sync import HolderExchange
 
     topology = mb.Topology.uniform(num_devices=64, slots_per_device=5, devices_per_node=8)
     placement = mb.plan(synthetic_loads("moderate", seed=0), topology)

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...topology import Device, Topology
 from ..._check import integer, positive_int
+from ...topology import Device, Topology
 
 __all__ = ["GPUKind", "GPU_KINDS", "ModelShape", "MODELS", "ClusterSpec", "CLUSTER_PRESETS",
            "cluster_preset", "load_cluster", "load_model"]

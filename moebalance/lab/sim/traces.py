@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 
 from ..._check import positive_int
-
 from ..workloads import cap_shares, synthetic_loads, trace_loads, trace_names
 
 __all__ = ["Dynamics", "fit_dynamics", "default_dynamics", "generate_trace", "read_trace"]
