@@ -43,7 +43,7 @@ def worker(rank: int, world_size: int, steps: int) -> None:
     # Tokens drawn around a few directions, so the router learns uneven preferences.
     centres = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7)) * 3
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         x = centres[torch.randint(0, 3, (TOKENS,), generator=gen)]
         x = x + torch.randn(TOKENS, HIDDEN, generator=gen)
         loss = (moe(x) - x.flip(1)).pow(2).mean()

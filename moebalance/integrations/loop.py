@@ -161,7 +161,7 @@ class Rebalancer:
         self._rows = self._tracker_rows()
         if world > 1:
             # Connect the migration transfers now (a collective), not inside the first re-plan.
-            Migrator(self.group, timeout_s=timeout_s).transfer_group
+            Migrator(self.group, timeout_s=timeout_s).transfer_group()
         self.steps = 0
         self.last_counts = None
         self.history: list[dict] = []

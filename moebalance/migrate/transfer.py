@@ -139,7 +139,6 @@ class Migrator:
             self.rank, self.world_size = 0, 1
         self._count = 0
 
-    @property
     def transfer_group(self):
         """The connections the rows travel on: the ranks of ``group``, connected afresh.
 
@@ -196,7 +195,7 @@ class Migrator:
                              f"changes; pass every layer's [gate_up, down] (or equivalent)")
         self._check_agreement(plan, slot_params, optimizer)
         if plan.num_moves and self.world_size > 1:
-            self.transfer_group     # every rank connects now, also one that sends nothing yet
+            self.transfer_group()   # every rank connects now, also one that sends nothing yet
         self._count += 1
         return Migration(self, plan, {layer: list(slot_params[layer]) for layer in plan.changed_layers},
                          optimizer, self._count)
@@ -378,7 +377,7 @@ class Migration:
         """Post ``ops`` ((is_send, peer, tensor, tag)) and return their works (the fault seam)."""
         if not ops:
             return []
-        group = self.migrator.transfer_group
+        group = self.migrator.transfer_group()
         works = []
         for is_send, peer, tensor, tag in ops:
             if isinstance(group, dist.ProcessGroupGloo):

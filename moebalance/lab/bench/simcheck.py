@@ -480,7 +480,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     topology = cluster.topology(model)
     trainers = [_Trainer(rank, world, cfg, counts, s["start"], s["resplit"], share)
                 for s in schedules]
-    Migrator(None).transfer_group        # the migration connections, made once per job
+    Migrator(None).transfer_group()      # the migration connections, made once per job
     W, T, every = cfg["warmup"], counts.shape[0], cfg["every"]
     for trainer in trainers:
         for t in range(max(0, W - 2), W):

@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         phase(PROG, f"{cfg['trials']} live migrations, each after {cfg['base_steps']} steps "
                     f"without one", cfg["t0"])
     # The migration connections are made once per job (the Rebalancer makes them when built).
-    Migrator(None).transfer_group
+    Migrator(None).transfer_group()
     rng = np.random.default_rng(cfg["seed"] + 7)
     base, migrating, starts, in_flight, reports = [], [], [], [], []
     for _ in range(cfg["trials"]):
