@@ -28,7 +28,8 @@ from moebalance.launch import launch, under_torchrun
 
 from _step_imbalance import StepImbalance
 
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
 

@@ -15,8 +15,8 @@ Two ways to learn each rank's expert speed (relative tokens/s, the ``speed`` of 
 
 Work is counted in expert rows: a forward row is 1, the backward of a row 2 (two GEMMs of the
 forward's size per forward GEMM), so a step's speed ``work / seconds`` is comparable whatever
-mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size, T steps,
-P = 2 figures per step (work, seconds).
+mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size, T
+steps, P = 2 figures per step (work, seconds).
 """
 
 from __future__ import annotations

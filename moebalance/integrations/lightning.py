@@ -1,4 +1,4 @@
-"""Lightning 2.x: ``RebalanceCallback`` re-plans and migrates the experts while ``Trainer.fit`` runs.
+"""Lightning 2.x: ``RebalanceCallback`` re-plans and migrates the experts during ``Trainer.fit``.
 
 ::
 
@@ -92,7 +92,8 @@ class RebalanceCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.rebalancer is None:
             optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
-            self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every, **self.options)
+            self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every,
+                                         **self.options)
             if self._restored is not None:
                 self.rebalancer.load_state_dict(self._restored)
 

@@ -105,7 +105,8 @@ def machine_info(argv: Sequence[str]) -> dict:
 def markdown_header(title: str, info: dict) -> list[str]:
     """The first lines of a benchmark's summary.md: title, machine, versions, command, date."""
     return [f"# {title}", "", f"- machine: {info['cpu']}, {info['cores']} cores",
-            f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
+            f"- versions: python {info['python']}, torch {info['torch']}, moebalance "
+            f"{info['moebalance']}",
             f"- command: {info['command']}", f"- date: {info['timestamp']}"]
 
 

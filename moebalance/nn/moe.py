@@ -273,7 +273,8 @@ class DenseMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         D = self.router.hidden_dim
         if hidden_states.shape[-1] != D:
-            raise ValueError(f"hidden_states must have shape [..., {D}], got {tuple(hidden_states.shape)}")
+            raise ValueError(f"hidden_states must have shape [..., {D}], got "
+                             f"{tuple(hidden_states.shape)}")
         x_TD = hidden_states.reshape(-1, D)
         _, topk_weights, topk_ids = self.router(x_TD)
         out = torch.zeros_like(x_TD)
@@ -382,7 +383,8 @@ class ExpertParallelMoE(ExpertSlots):
                 the constructor.
         """
         if not isinstance(dense, DenseMoE):
-            raise TypeError(f"dense must be a moebalance.nn.moe.DenseMoE, got {type(dense).__name__}")
+            raise TypeError("dense must be a moebalance.nn.moe.DenseMoE, got "
+                            f"{type(dense).__name__}")
         router = dense.router
         moe = cls(router.hidden_dim, dense.experts.ffn_dim, router.num_experts, router.top_k,
                   placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0, **options)

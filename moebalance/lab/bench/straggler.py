@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the straggler's speed as a fraction of the others' (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument("--out", default=os.path.join("bench-out", "straggler"), metavar="DIR",
-                        help="folder for results.json and summary.md (default ./bench-out/straggler)")
+                        help="folder for results.json and summary.md "
+                             "(default ./bench-out/straggler)")
 
 
 # -- on every rank --------------------------------------------------------------------------------
