@@ -1,6 +1,6 @@
 """Peak memory of mb.from_pretrained per rank: see moebalance/lab/bench/pretrained.py.
 
-    python benchmarks/pretrained_bench.py [--quick]   # same as: moebalance bench pretrained [--quick]
+    python benchmarks/pretrained_bench.py [--quick]  # or: moebalance bench pretrained [--quick]
 """
 
 import sys

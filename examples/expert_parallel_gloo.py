@@ -25,7 +25,8 @@ import moebalance as mb
 from moebalance.launch import launch
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 32, 64, 8, 2, 256
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 
 
 def worker(rank: int, world_size: int, steps: int) -> None:
@@ -43,7 +44,7 @@ def worker(rank: int, world_size: int, steps: int) -> None:
     # Tokens drawn around a few directions, so the router learns uneven preferences.
     centres = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7)) * 3
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         x = centres[torch.randint(0, 3, (TOKENS,), generator=gen)]
         x = x + torch.randn(TOKENS, HIDDEN, generator=gen)
         loss = (moe(x) - x.flip(1)).pow(2).mean()
@@ -70,8 +71,9 @@ def worker(rank: int, world_size: int, steps: int) -> None:
               f"moves {new.moves_from(placement)}")
         for g in range(TOPOLOGY.num_devices):
             slots = TOPOLOGY.device_slots(g)
-            print(f"  device {g} (speed {TOPOLOGY.speed[g]}): experts {new.phy2log[0, slots].tolist()}"
-                  f" shares {np.round(new.share[0, slots], 2).tolist()}")
+            print(f"  device {g} (speed {TOPOLOGY.speed[g]}): experts "
+                  f"{new.phy2log[0, slots].tolist()} shares "
+                  f"{np.round(new.share[0, slots], 2).tolist()}")
         if (new.share[0] == 0).any():
             print("  share 0.0: that replica holds its expert but the plan routes none of the "
                   "expert's tokens to it (its other replicas take them all); it stays in sync "

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.nn.slots import moe_layers
 from moebalance.integrations.wrap import unwrap_state_dict
-from moebalance.launch import launch, under_torchrun
 from moebalance.lab.models import TextBatches, tiny_hf_moe
+from moebalance.launch import launch, under_torchrun
+from moebalance.nn.slots import moe_layers
 
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
                                    node=[0, 0, 1, 1])

@@ -1,4 +1,4 @@
-"""A transformers MoE model, wrapped by moebalance, trained by the Hugging Face Trainer on 4 gloo ranks.
+"""The Hugging Face Trainer trains a transformers MoE model wrapped by moebalance on 4 gloo ranks.
 
 A tiny Qwen3-MoE (8 experts, top-2, byte vocabulary) is made expert-parallel with mb.wrap over 4
 CPU ranks of speed 1, 1, 0.5, 0.5 (3 expert slots each) and trained on the Python standard
@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.launch import launch
 from moebalance.lab.models import TextBatches, tiny_hf_moe
+from moebalance.launch import launch
 
 from _step_imbalance import StepImbalance
 
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
 
@@ -95,7 +96,8 @@ def main() -> None:
     parser.add_argument("--family", default="qwen3_moe",
                         help="mixtral, qwen2_moe, qwen3_moe (default), olmoe, deepseek_v3, gpt_oss")
     parser.add_argument("--quick", action="store_true", help="4 steps, re-plan every 2")
-    parser.add_argument("--out", default=None, help="folder for the final checkpoint (default: a temp dir)")
+    parser.add_argument("--out", default=None,
+                        help="folder for the final checkpoint (default: a temp dir)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.every = 4, 2

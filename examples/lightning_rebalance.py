@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.launch import launch, under_torchrun
 from moebalance.lab.models import TextBatches, tiny_hf_moe
+from moebalance.launch import launch, under_torchrun
 
 from _step_imbalance import StepImbalance
 
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 SEQ, BATCH = 64, 4
 
 

@@ -31,15 +31,16 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
+from moebalance.frameworks import active_ddp
+from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
+from moebalance.launch import launch, under_torchrun
 from moebalance.nn.checkpoint import expert_state_dict
 from moebalance.nn.slots import moe_layers
-from moebalance.frameworks import active_ddp
-from moebalance.launch import launch, under_torchrun
-from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 
 from _step_imbalance import bought
 
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 EXPERTS, LAYERS, SEQ, BATCH = 8, 2, 64, 8
 
 
@@ -83,8 +84,8 @@ class StepLog:
             note = ""
             if replanned:
                 r = rebalancer.history[-1]
-                note = (f"  re-plan: {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f} on the "
-                        f"window, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB")
+                note = (f"  re-plan: {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f} on "
+                        f"the window, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB")
                 if r["moves"] == 0 and r["imbalance_after"] < r["imbalance_before"]:
                     note += (" (no expert moved: the tokens of replicated experts were re-split "
                              "between their replicas)")
@@ -331,7 +332,8 @@ def main() -> None:
                         help="training loop: plain (default), ddp, lightning, hf, or all of them "
                              "in turn (plots and JSON named <out>_<loop>)")
     parser.add_argument("--quick", action="store_true", help="6 steps, re-plan every 3")
-    parser.add_argument("--out", default="train_rebalance.png", help="plot path (default ./train_rebalance.png)")
+    parser.add_argument("--out", default="train_rebalance.png",
+                        help="plot path (default ./train_rebalance.png)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.every = 6, 3

@@ -13,7 +13,8 @@ import numpy as np
 def integer(value, name: str, minimum: int = 1) -> int:
     """``value`` as an int after checking that it is an integer >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} "
+                        f"{value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
@@ -32,7 +33,8 @@ def optional_positive_int(value, name: str) -> int | None:
 def index(value, name: str, stop: int) -> int:
     """``value`` as an int after checking that it is an integer in ``[0, stop)``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer in [0, {stop}), got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an integer in [0, {stop}), got {type(value).__name__} "
+                        f"{value!r}")
     if not 0 <= value < stop:
         raise ValueError(f"{name} must be in [0, {stop}), got {value!r}")
     return int(value)
@@ -47,15 +49,18 @@ def to_numpy(x, name: str) -> np.ndarray:
         import torch
 
         t = x.detach().to("cpu")
-        if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32, torch.float64):
-            t = t.to(torch.float32)  # bfloat16 / float8 have no numpy dtype; float32 holds them exactly
+        if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32,
+                                                         torch.float64):
+            # bfloat16 / float8 have no numpy dtype; float32 holds them exactly
+            t = t.to(torch.float32)
         return t.numpy()
     if module.startswith("cupy"):
         return x.get()
     try:
         return np.asarray(x)
     except Exception as exc:  # pragma: no cover - message matters, not the type
-        raise TypeError(f"{name} must be a numpy, torch or cupy array, got {type(x).__name__}") from exc
+        raise TypeError(f"{name} must be a numpy, torch or cupy array, got "
+                        f"{type(x).__name__}") from exc
 
 
 def as_loads(loads, name: str = "loads", num_experts: int | None = None) -> np.ndarray:
@@ -73,10 +78,12 @@ def as_loads(loads, name: str = "loads", num_experts: int | None = None) -> np.n
         arr = arr[None, :]
     if arr.ndim != 2:
         raise ValueError(
-            f"{name} must have shape [num_layers, num_experts] (or [num_experts]), got shape {arr.shape}"
+            f"{name} must have shape [num_layers, num_experts] (or [num_experts]), got shape "
+            f"{arr.shape}"
         )
     if arr.shape[0] < 1 or arr.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one layer and one expert, got shape {arr.shape}")
+        raise ValueError(f"{name} must have at least one layer and one expert, got shape "
+                         f"{arr.shape}")
     if num_experts is not None and arr.shape[1] != num_experts:
         raise ValueError(
             f"{name} has {arr.shape[1]} experts per layer but {num_experts} were expected; "

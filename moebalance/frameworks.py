@@ -147,10 +147,11 @@ def check_ddp(module: nn.Module):
             if not name.startswith(".") and name not in ignored]
     if held:
         raise RuntimeError(
-            f"DistributedDataParallel holds the expert slots {held[:3]}{' ...' if len(held) > 3 else ''}:"
-            f" its start-up broadcast has already copied rank 0's experts over the other ranks'. "
-            f"Call moebalance.exclude_experts_from_ddp(module) on the module you give DDP, before "
-            f"building it (moebalance.wrap and ExpertParallelMoE do it for themselves)")
+            "DistributedDataParallel holds the expert slots "
+            f"{held[:3]}{' ...' if len(held) > 3 else ''}: its start-up broadcast has already "
+            "copied rank 0's experts over the other ranks'. Call "
+            "moebalance.exclude_experts_from_ddp(module) on the module you give DDP, before "
+            "building it (moebalance.wrap and ExpertParallelMoE do it for themselves)")
     _checked[ddp] = True
     return ddp
 
@@ -195,7 +196,8 @@ def check_optimizer(model: nn.Module, optimizer) -> None:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [f"{prefix}.{name}" if prefix else name
                for prefix, layer in _slot_layers(model)
-               for name, p in layer.named_slot_parameters() if p.requires_grad and id(p) not in held]
+               for name, p in layer.named_slot_parameters()
+               if p.requires_grad and id(p) not in held]
     if missing:
         raise ValueError(
             f"optimizer does not update the expert slot parameters {missing[:3]}"

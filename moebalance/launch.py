@@ -1,10 +1,11 @@
-"""Run a function on every rank of a gloo (or NCCL) group: under torchrun, or spawned here.
+r"""Run a function on every rank of a gloo (or NCCL) group: under torchrun, or spawned here.
 
 Examples and benchmarks run both ways::
 
     python examples/X.py                                        # spawns the ranks itself
     torchrun --standalone --nproc-per-node 4 examples/X.py      # one process per rank
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 examples/X.py
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        examples/X.py
 
 :func:`launch` tells the two apart by the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``): under torchrun it joins the process group from it and runs ``fn`` in this

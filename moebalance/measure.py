@@ -102,7 +102,8 @@ def _experts_of(layer, hidden_size, ffn_hidden_size, dtype, device):
     if hidden_size is None or ffn_hidden_size is None:
         raise ValueError("give layer= (an ExpertParallelMoE) or both hidden_size= and "
                          "ffn_hidden_size= for the experts to time")
-    D, Fd = positive_int(hidden_size, "hidden_size"), positive_int(ffn_hidden_size, "ffn_hidden_size")
+    D, Fd = (positive_int(hidden_size, "hidden_size"),
+             positive_int(ffn_hidden_size, "ffn_hidden_size"))
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")

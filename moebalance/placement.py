@@ -41,7 +41,8 @@ def _int_array(x, name: str) -> np.ndarray:
     if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer)
                                      or np.issubdtype(arr.dtype, np.floating)):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+    if np.issubdtype(arr.dtype, np.floating) \
+            and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
         raise ValueError(f"{name} must hold whole numbers (expert and device ids), got {arr.dtype} "
                          f"values with a fractional part")
     return np.ascontiguousarray(arr, dtype=np.int64)
@@ -85,8 +86,8 @@ def _check_contents(phy2log: np.ndarray, share: np.ndarray, slot_device: np.ndar
     if bad.size:
         layer, e = divmod(int(bad[0]), E)
         raise ValueError(
-            f"share: the shares of expert {e} in layer {layer} sum to {float(sums[bad[0]])!r}, not 1; "
-            f"each expert's shares over its replicas must sum to 1 (divide them by their sum)"
+            f"share: the shares of expert {e} in layer {layer} sum to {float(sums[bad[0]])!r}, not "
+            f"1; each expert's shares over its replicas must sum to 1 (divide them by their sum)"
         )
 
 
@@ -119,12 +120,15 @@ class Placement:
         share = np.array(self.share, dtype=np.float64)
         slot_device = _int_array(self.slot_device, "slot_device")
         if phy2log.ndim != 2:
-            raise ValueError(f"phy2log must have shape [num_layers, num_slots], got {phy2log.shape}")
+            raise ValueError("phy2log must have shape [num_layers, num_slots], got "
+                             f"{phy2log.shape}")
         if share.shape != phy2log.shape:
-            raise ValueError(f"share must have the shape of phy2log {phy2log.shape}, got {share.shape}")
+            raise ValueError(f"share must have the shape of phy2log {phy2log.shape}, got "
+                             f"{share.shape}")
         if slot_device.shape != (phy2log.shape[1],):
             raise ValueError(
-                f"slot_device must have shape [num_slots]=({phy2log.shape[1]},), got {slot_device.shape}"
+                f"slot_device must have shape [num_slots]=({phy2log.shape[1]},), got "
+                f"{slot_device.shape}"
             )
         for name, arr in (("phy2log", phy2log), ("share", share), ("slot_device", slot_device)):
             arr.setflags(write=False)
@@ -217,7 +221,8 @@ class Placement:
 
     def _check_slots_of(self, topology: Topology) -> None:
         if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+            raise TypeError("topology must be a moebalance.Topology, got "
+                            f"{type(topology).__name__}")
         if (topology.num_slots != self.num_slots
                 or not np.array_equal(topology.slot_device, self.slot_device)):
             raise ValueError(
@@ -229,7 +234,7 @@ class Placement:
     # -- migration ------------------------------------------------------------------------------
 
     def moves_per_layer(self, previous: "Placement") -> np.ndarray:
-        """[L] int64: expert copies each layer must receive to turn ``previous`` into this placement.
+        """[L] int64: expert copies each layer receives to turn ``previous`` into this placement.
 
         Slots inside one device relabel for free, so a device only receives the experts it now
         holds and did not hold before.
@@ -239,9 +244,10 @@ class Placement:
         if (previous.phy2log.shape != self.phy2log.shape or previous.num_experts != self.num_experts
                 or not np.array_equal(previous.slot_device, self.slot_device)):
             raise ValueError(
-                f"previous placement has shape {previous.phy2log.shape} with {previous.num_experts} "
-                f"experts; this one {self.phy2log.shape} with {self.num_experts}: moves are only "
-                f"defined between placements of the same layers, slots and devices"
+                f"previous placement has shape {previous.phy2log.shape} with "
+                f"{previous.num_experts} experts; this one {self.phy2log.shape} with "
+                f"{self.num_experts}: moves are only defined between placements of the same "
+                "layers, slots and devices"
             )
         E, G = self.num_experts, self.num_devices
         out = np.zeros(self.num_layers, dtype=np.int64)
@@ -254,7 +260,7 @@ class Placement:
         return out
 
     def moves_from(self, previous: "Placement | None") -> int:
-        """Expert copies to transfer to reach this placement from ``previous`` (all of S*L if None)."""
+        """Expert copies to reach this placement from ``previous`` (all S*L of them if None)."""
         if previous is None:
             return self.num_layers * self.num_slots
         return int(self.moves_per_layer(previous).sum())

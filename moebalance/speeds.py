@@ -15,8 +15,8 @@ Two ways to learn each rank's expert speed (relative tokens/s, the ``speed`` of 
 
 Work is counted in expert rows: a forward row is 1, the backward of a row 2 (two GEMMs of the
 forward's size per forward GEMM), so a step's speed ``work / seconds`` is comparable whatever
-mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size, T steps,
-P = 2 figures per step (work, seconds).
+mix of forward and backward it ran. Legend: G ranks, M rows, D hidden size, F expert hidden size, T
+steps, P = 2 figures per step (work, seconds).
 """
 
 from __future__ import annotations
@@ -281,8 +281,8 @@ class SpeedTracker:
         measured speeds: (new topology, the loads to plan for) if the expected saving over
         ``horizon`` steps beats the moves' price, else None. Collective when the speeds moved
         (it reads the reduced loads); every rank decides alike from the same figures."""
-        from .nn.slots import current_placement
         from .metrics import summary_imbalance
+        from .nn.slots import current_placement
         from .planner import plan
 
         if self.steps % self.every or self.speed is None:

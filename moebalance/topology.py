@@ -1,8 +1,9 @@
 """Devices and the cluster they form: speed, expert slots and node of every device.
 
 By hand, from a preset, or measured on the running job (:meth:`Topology.measure`, see
-:mod:`moebalance.measure`); saved and loaded as JSON. G devices, S = sum of their slots. Slots are numbered device by device in device order, so device
-``g`` owns slots ``slot_offsets[g] : slot_offsets[g + 1]``.
+:mod:`moebalance.measure`); saved and loaded as JSON. G devices, S = sum of their slots. Slots are
+numbered device by device in device order, so device ``g`` owns slots
+``slot_offsets[g] : slot_offsets[g + 1]``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Topology:
         for i, d in enumerate(devices):
             if not isinstance(d, Device):
                 raise TypeError(
-                    f"Topology(devices=...)[{i}] must be a moebalance.Device, got {type(d).__name__}"
+                    f"Topology(devices=...)[{i}] must be a moebalance.Device, got "
+                    f"{type(d).__name__}"
                 )
         object.__setattr__(self, "devices", devices)
         speed = np.array([d.speed for d in devices], dtype=np.float64)
@@ -136,7 +138,8 @@ class Topology:
         ``speed_spread [G]``."""
         speed = np.asarray(speed, dtype=np.float64).reshape(-1)
         slots = np.asarray(slots).reshape(-1)
-        node = np.zeros(len(speed), dtype=np.int64) if node is None else np.asarray(node).reshape(-1)
+        node = (np.zeros(len(speed), dtype=np.int64) if node is None
+                else np.asarray(node).reshape(-1))
         if not (len(speed) == len(slots) == len(node)):
             raise ValueError(
                 f"speed, slots and node must have one entry per device; got lengths "

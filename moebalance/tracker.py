@@ -39,9 +39,11 @@ from torch import nn
 from ._check import positive_int
 from .collective_errors import Attempt, GroupValueError, agree
 
-# Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second tracker on the same router would
-# count every token twice over two trackers without a word. Weak both ways: it keeps neither alive.
-_TRACKER_OF_ROUTER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+# Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second
+# tracker on the same router would count every token twice over two trackers without a word. Weak
+# both ways: it keeps neither alive.
+_TRACKER_OF_ROUTER: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = (
+    weakref.WeakKeyDictionary())
 
 
 class LoadSnapshot:
@@ -94,9 +96,10 @@ class LoadSnapshot:
                 layer = int(np.flatnonzero(invalid_L > 0)[0])
                 where = f" ({self._layer_names[layer]})" if self._layer_names else ""
                 raise ValueError(
-                    f"topk_ids recorded for layer {layer}{where} held {int(invalid_L[layer])} expert "
-                    f"ids outside [-1, num_experts={host.shape[1] - 1}); check the router's "
-                    f"num_experts, or use LoadTracker(..., check=True) to fail at the faulty record()"
+                    f"topk_ids recorded for layer {layer}{where} held {int(invalid_L[layer])} "
+                    f"expert ids outside [-1, num_experts={host.shape[1] - 1}); check the router's "
+                    "num_experts, or use LoadTracker(..., check=True) to fail at the "
+                    "faulty record()"
                 )
             self._result = np.ascontiguousarray(host[:, :-1])
         return self._result
@@ -152,7 +155,8 @@ class LoadTracker:
             try:
                 device = torch.device(device)
             except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"device must name a torch device such as 'cuda:0' or 'cpu', got {device!r}") from exc
+                raise ValueError("device must name a torch device such as 'cuda:0' or 'cpu', got "
+                                 f"{device!r}") from exc
             self._allocate(device)
 
     # -- state ----------------------------------------------------------------------------------
@@ -205,8 +209,10 @@ class LoadTracker:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, num_layers={self.num_layers}), got {layer}")
         if not isinstance(topk_ids, torch.Tensor):
-            raise TypeError(f"topk_ids must be a torch.Tensor [T, K], got {type(topk_ids).__name__}")
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+            raise TypeError("topk_ids must be a torch.Tensor [T, K], got "
+                            f"{type(topk_ids).__name__}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex \
+                or topk_ids.dtype == torch.bool:
             raise TypeError(
                 f"topk_ids must hold integer expert ids, got dtype {topk_ids.dtype} "
                 f"(pass the router's top-k indices, not its logits or weights)"
@@ -221,7 +227,8 @@ class LoadTracker:
         elif topk_ids.device != self.device:
             raise ValueError(
                 f"topk_ids is on {topk_ids.device} but the tracker counts on {self.device}; "
-                f"record ids from the device the tracker was created on (or create it with device=None)"
+                "record ids from the device the tracker was created on (or create it "
+                "with device=None)"
             )
         E = self.num_experts
         with torch.no_grad():
@@ -275,7 +282,8 @@ class LoadTracker:
     def _require_device(self) -> None:
         if self.device is None:
             raise ValueError(
-                "the tracker holds no counts yet: record() some ids first, or create it with device=..."
+                "the tracker holds no counts yet: record() some ids first, or create it "
+                "with device=..."
             )
 
     # -- host side --------------------------------------------------------------------------------
@@ -309,15 +317,19 @@ class LoadTracker:
         """
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        distributed = (dist.is_available() and dist.is_initialized()
+                       and dist.get_world_size(group) > 1)
         if self.device is None:
             # Nothing recorded here yet: contribute zeros, on a device the backend can reduce.
             nccl = distributed and dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            loads_LV = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64, device=device)
+            device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                      else torch.device("cpu"))
+            loads_LV = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64,
+                                   device=device)
         else:
             with torch.no_grad():
-                invalid_L = (self._invalid_L + self._live_LB[:, self.num_experts + 1]).to(torch.float64)
+                invalid_L = (self._invalid_L
+                             + self._live_LB[:, self.num_experts + 1]).to(torch.float64)
                 loads_LV = torch.cat([self.loads(), invalid_L[:, None]], dim=1)
         work = nonfinite_G = None
         if distributed:
@@ -371,8 +383,9 @@ class LoadTracker:
         for key in ("num_layers", "num_experts", "window", "ema"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
-                    f"state {key}={state.get(key)!r} does not match this tracker's {key}={getattr(self, key)!r}; "
-                    f"build the tracker with the settings it was saved with"
+                    f"state {key}={state.get(key)!r} does not match this tracker's "
+                    f"{key}={getattr(self, key)!r}; build the tracker with the settings it was "
+                    "saved with"
                 )
         self._steps = int(state["steps"])
         if "_live_LB" not in state:
@@ -411,5 +424,5 @@ class LoadTracker:
     def __repr__(self) -> str:
         view = (f"window={self.window}" if self.window is not None
                 else f"ema={self.ema}" if self.ema is not None else "cumulative")
-        return (f"LoadTracker(num_layers={self.num_layers}, num_experts={self.num_experts}, {view}, "
-                f"device={self.device}, steps={self._steps}, attached={self.attached})")
+        return (f"LoadTracker(num_layers={self.num_layers}, num_experts={self.num_experts}, "
+                f"{view}, device={self.device}, steps={self._steps}, attached={self.attached})")

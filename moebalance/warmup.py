@@ -87,7 +87,8 @@ def warm_up(progress: Callable[[str], None] | None = None,
         table = replica_table(plan(w[:1, :3].copy(), Topology.uniform(2, 2), backend="numba"), 0)
         resplit_shares(torch.ones(3), table.share_EX, resplit_plan(table, [1.0, 1.0]))
 
-    for name, part in (("planner", planner), ("rebalance_experts", drop_in), ("dispatch", dispatch)):
+    for name, part in (("planner", planner), ("rebalance_experts", drop_in),
+                       ("dispatch", dispatch)):
         if name not in parts:
             continue
         if progress is not None:

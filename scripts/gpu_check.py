@@ -478,7 +478,7 @@ def check_no_sync(args, figures) -> str:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3):
+        for _ in range(3):
             for layer in range(L):
                 tracker.record(layer, ids[layer])
             shares = resplit_shares(counts.sum(0), table.share_EX, plan)

@@ -1,4 +1,5 @@
-"""Record a real expert-load trace: train a tiny transformers MoE on Python source and count its routing.
+"""Record a real expert-load trace: train a tiny transformers MoE on Python source and count its
+routing.
 
 A byte-level transformers MoE model with no auxiliary balancing loss is trained with AdamW on
 the ``.py`` files of the Python standard library (present on every machine, read in sorted
@@ -66,10 +67,11 @@ class Family:
 FAMILIES = {
     "mixtral": Family("MixtralConfig", "num_local_experts", "intermediate_size", top_k=2,
                       expert_hidden=128, extra={"router_jitter_noise": 0.0}),
-    # Every layer sparse (no dense MLP layers), so intermediate_size, the dense MLP width, is unused.
+    # Every layer sparse (no dense MLP layers): intermediate_size, the dense MLP width, is unused.
     "qwen3_moe": Family("Qwen3MoeConfig", "num_experts", "moe_intermediate_size", top_k=4,
-                        expert_hidden=64, extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
-                                                 "mlp_only_layers": [], "use_sliding_window": False}),
+                        expert_hidden=64,
+                        extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
+                               "mlp_only_layers": [], "use_sliding_window": False}),
     "olmoe": Family("OlmoeConfig", "num_experts", "intermediate_size", top_k=4, expert_hidden=64,
                     extra={"norm_topk_prob": False}),
 }
@@ -79,13 +81,15 @@ def model_config(args) -> dict:
     """The config fields of the model ``args`` describe (JSON-ready, recorded in the trace)."""
     family = FAMILIES[args.family]
     return {
-        "vocab_size": VOCAB, "hidden_size": args.hidden, family.expert_hidden_field: args.expert_hidden,
+        "vocab_size": VOCAB, "hidden_size": args.hidden,
+        family.expert_hidden_field: args.expert_hidden,
         "num_hidden_layers": args.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": args.seq, family.experts_field: args.experts,
         "num_experts_per_tok": args.top_k, "router_aux_loss_coef": 0.0,
         "output_router_logits": False, **family.extra,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None,
     }
 
 
@@ -110,8 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="where to write the trace (default <family>_trace.npz in moebalance/lab/data; "
-                             "--quick writes nothing unless --out is given)")
+                        help="where to write the trace (default <family>_trace.npz in "
+                             "moebalance/lab/data; --quick writes nothing unless --out is given)")
     parser.add_argument("--quick", action="store_true", help="20 steps, for a smoke test")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
@@ -130,8 +134,10 @@ def main(argv=None) -> int:
     family = FAMILIES[args.family]
     args.top_k = family.top_k if args.top_k is None else args.top_k
     args.expert_hidden = family.expert_hidden if args.expert_hidden is None else args.expert_hidden
-    out = args.out if args.out is not None else (None if args.quick else DATA / f"{args.family}_trace.npz")
-    for name in ("steps", "batch", "seq", "layers", "hidden", "expert_hidden", "experts", "top_k", "threads"):
+    out = args.out if args.out is not None else (None if args.quick
+                                                 else DATA / f"{args.family}_trace.npz")
+    for name in ("steps", "batch", "seq", "layers", "hidden", "expert_hidden", "experts", "top_k",
+                 "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
     model, config = build_model(args)
     model.train()
     tracker = mb.attach(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     gen = torch.Generator().manual_seed(args.seed)
@@ -162,7 +169,8 @@ def main(argv=None) -> int:
         counts[step] = tracker.step().numpy()
         losses[step] = loss.item()
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {losses[step]:.3f}  {time.perf_counter() - start:6.1f} s", flush=True)
+            print(f"step {step:4d}  loss {losses[step]:.3f}  {time.perf_counter() - start:6.1f} s",
+                  flush=True)
     tracker.detach()
     wall = time.perf_counter() - start
 
@@ -190,7 +198,8 @@ def main(argv=None) -> int:
         "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1,
                       "warmup_steps": warmup, "grad_clip": 1.0},
         "data": {"source": "Python standard library .py files, sorted by path, concatenated",
-                 "files": num_files, "bytes": int(len(corpus)), "sampling": "uniform random windows"},
+                 "files": num_files, "bytes": int(len(corpus)),
+                 "sampling": "uniform random windows"},
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
         "seed": args.seed,
         "loss_start": float(losses[:edge].mean()), "loss_end": float(losses[-edge:].mean()),
@@ -201,7 +210,8 @@ def main(argv=None) -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "numpy": np.__version__,
         "moebalance": mb.__version__, "threads": args.threads, "wall_s": round(wall, 1),
-        "command": "python scripts/record_trace.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": ("python scripts/record_trace.py "
+                    + " ".join(sys.argv[1:] if argv is None else argv)),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out, counts=counts, meta=np.array(json.dumps(meta)))

@@ -1,1 +1,1 @@
-"""The ``moebalance`` command: ``args`` (parser, errors, shared flag sets) and ``main`` (commands)."""
+"""The ``moebalance`` command: ``args`` (parser, errors, shared flag sets), ``main`` (commands)."""

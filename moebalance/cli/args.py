@@ -1,8 +1,8 @@
 """What every ``moebalance`` command line shares: its parser, its error path, argument types and
 the readers of the files users point it at (loads, topologies, placements).
 
-Used by :mod:`moebalance.cli.main` and by the benchmark scripts of :mod:`moebalance.lab.bench`, which
-run both as ``moebalance bench`` and on their own; it imports nothing above the data types it
+Used by :mod:`moebalance.cli.main` and by the benchmark scripts of :mod:`moebalance.lab.bench`,
+which run both as ``moebalance bench`` and on their own; it imports nothing above the data types it
 reads. Mistakes in what the user typed or pointed at raise :class:`UsageError`, which
 :func:`run_guarded` prints as one line (exit status 2).
 
@@ -123,7 +123,8 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.nda
             if isinstance(obj, dict):
                 obj = obj[_pick_key(list(obj.keys()), key, flag, path)]
             if not isinstance(obj, torch.Tensor):
-                raise UsageError(f"{flag}: {path!r} holds a {type(obj).__name__}, not a tensor of loads")
+                raise UsageError(f"{flag}: {path!r} holds a {type(obj).__name__}, not a tensor "
+                                 "of loads")
             arr = obj.detach().to(torch.float64).numpy()
     except UsageError:
         raise
@@ -217,7 +218,8 @@ def writable_file(path: str, flag: str) -> Path:
 def _pick_key(keys: list, key: str | None, flag: str, path: str) -> str:
     if key is not None:
         if key not in keys:
-            raise UsageError(f"--key: {path!r} has no array {key!r}; it has {sorted(map(str, keys))}")
+            raise UsageError(f"--key: {path!r} has no array {key!r}; it has "
+                             f"{sorted(map(str, keys))}")
         return key
     if "loads" in keys:
         return "loads"

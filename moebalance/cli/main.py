@@ -1,18 +1,18 @@
-"""The ``moebalance`` command: ``bench``, ``plan``, ``inspect`` and ``simulate``; alone, it prints its help.
+"""The ``moebalance`` command: bench, plan, inspect and simulate; alone, it prints its help.
 
     moebalance bench [--quick] [--out DIR] ...        planner benchmark vs EPLB
     moebalance bench dispatch ...                     dispatch benchmark
     moebalance bench train ...                        live-migration cost in training (4 gloo ranks)
     moebalance bench resplit ...                      per-step re-split benchmark
-    moebalance bench wrap ...                         a wrapped transformers model against one process
+    moebalance bench wrap ...                         a wrapped transformers model vs one process
     moebalance bench simcheck ...                     the simulator's step model against training
     moebalance bench pretrained ...                   peak memory of mb.from_pretrained per rank
     moebalance bench faults ...                       one rank's error on every rank (4 gloo ranks)
-    moebalance bench straggler ...                    measured speeds and a slowed rank (4 gloo ranks)
+    moebalance bench straggler ...                    measured speeds, a slowed rank (4 gloo ranks)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
                     [--previous FILE [--max-moves N]] [--force]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
-    moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]   modelled step time per policy
+    moebalance simulate [--quick] [--cluster NAME|FILE] [--trace ...]  modelled step time per policy
 
 Options given without a command (``moebalance --quick``) go to ``bench``.
 
@@ -31,8 +31,15 @@ from typing import Sequence
 
 import numpy as np
 
-from .args import (ArgumentParser, UsageError, nonneg_int_arg, read_loads, read_placement,
-                   run_guarded, writable_file)
+from .args import (
+    ArgumentParser,
+    UsageError,
+    nonneg_int_arg,
+    read_loads,
+    read_placement,
+    run_guarded,
+    writable_file,
+)
 from .topology_flags import add_topology_arguments, topology_from_args
 
 COMMANDS = ("bench", "plan", "inspect", "simulate")
@@ -255,8 +262,8 @@ def build_parser() -> ArgumentParser:
 
     parser = ArgumentParser(prog="moebalance", description=(
         "Keep the experts of a Mixture-of-Experts model evenly loaded. Start with "
-        "'moebalance bench --quick' (a few seconds once the Numba kernels are compiled), or plan a placement for your own loads with "
-        "'moebalance plan LOADS.npy --devices N --slots K'."))
+        "'moebalance bench --quick' (a few seconds once the Numba kernels are compiled), or plan a "
+        "placement for your own loads with 'moebalance plan LOADS.npy --devices N --slots K'."))
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{bench,plan,inspect,simulate}",
                                 parser_class=ArgumentParser)

@@ -36,7 +36,8 @@ def read_topology_file(path: str):
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("topology (one of --devices, --topology, --cluster)")
     group.add_argument("--devices", type=positive_int_arg, metavar="N", help="N identical devices")
-    group.add_argument("--slots", type=positive_int_arg, metavar="K", help="expert slots per device")
+    group.add_argument("--slots", type=positive_int_arg, metavar="K",
+                       help="expert slots per device")
     group.add_argument("--devices-per-node", type=positive_int_arg, metavar="M",
                        help="devices per node (default: all on one node)")
     group.add_argument("--speed", type=positive_float_arg, default=1.0, metavar="F",
@@ -54,7 +55,8 @@ def topology_from_args(args: argparse.Namespace, required: bool = True):
     given = [flag for flag, value in (("--devices", args.devices), ("--topology", args.topology),
                                       ("--cluster", args.cluster)) if value is not None]
     if len(given) > 1:
-        raise UsageError(f"give one of --devices, --topology or --cluster, not {' and '.join(given)}")
+        raise UsageError("give one of --devices, --topology or --cluster, not "
+                         f"{' and '.join(given)}")
     if args.devices is None and (args.slots is not None or args.devices_per_node is not None):
         raise UsageError("--slots and --devices-per-node need --devices")
     if not given:
@@ -73,7 +75,8 @@ def topology_from_args(args: argparse.Namespace, required: bool = True):
                                  f"simulate' (it describes GPUs, not expert slots); here --cluster "
                                  f"takes a slot layout: {sorted(workloads.CLUSTERS)}, or use "
                                  f"--devices N --slots K")
-            raise UsageError(f"--cluster must be one of {sorted(workloads.CLUSTERS)}, got {args.cluster!r}")
+            raise UsageError(f"--cluster must be one of {sorted(workloads.CLUSTERS)}, got "
+                             f"{args.cluster!r}")
         return workloads.cluster(args.cluster).topology()
     if args.slots is None:
         raise UsageError("--devices needs --slots K (expert slots per device)")

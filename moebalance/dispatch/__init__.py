@@ -5,7 +5,7 @@ See :mod:`moebalance.dispatch.dispatcher` for the data flow of one dispatch / co
 """
 
 from .buffers import release_buffers
-from .dispatcher import DispatchHandle, Dispatcher
+from .dispatcher import Dispatcher, DispatchHandle
 from .kernels import kernels_for
 from .routing import ReplicaTable, replica_flows, replica_table, replica_targets
 from .shares import resplit_plan, resplit_shares

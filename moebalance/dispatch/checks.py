@@ -148,7 +148,7 @@ def check_combine(y_ND, pos_TK, weights_TK) -> None:
 
 
 def check_combine_weight_grad(grad_TD, y_ND, pos_TK) -> None:
-    """Raise TypeError/ValueError unless the arguments of :func:`combine_weight_grad` are well formed."""
+    """Raise TypeError/ValueError unless :func:`combine_weight_grad`'s arguments are well formed."""
     _floats(grad_TD, "grad_TD", 2, "[T, D]")
     _floats(y_ND, "y_ND", 2, "[N, D]")
     _int64(pos_TK, "pos_TK", 2, "[T, K]")

@@ -163,7 +163,7 @@ def _sm_count(device_index: int) -> int:
 
 
 def _grid(device: torch.device, work_items: int, per_block: int, blocks_per_sm: int = 32) -> int:
-    """Blocks for ``work_items`` at ``per_block`` each, capped at a few waves (kernels grid-stride)."""
+    """Blocks for ``work_items``, ``per_block`` each; at most a few waves (kernels grid-stride)."""
     return min(-(-work_items // per_block), _sm_count(_index(device)) * blocks_per_sm)
 
 

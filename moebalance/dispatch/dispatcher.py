@@ -297,7 +297,8 @@ class Dispatcher:
 
     def _state(self, placement, layer) -> _PlacementState:
         if not isinstance(placement, Placement):
-            raise TypeError(f"placement must be a moebalance.Placement, got {type(placement).__name__}")
+            raise TypeError("placement must be a moebalance.Placement, got "
+                            f"{type(placement).__name__}")
         state = self._states.get(id(placement))
         if state is None or state.placement is not placement:
             if placement.num_devices != self.world_size:
@@ -314,7 +315,8 @@ class Dispatcher:
                 self._states.popitem(last=False)
         else:
             self._states.move_to_end(id(placement))
-        index(layer, f"layer (of this placement's {placement.num_layers} layers)", placement.num_layers)
+        index(layer, f"layer (of this placement's {placement.num_layers} layers)",
+              placement.num_layers)
         return state
 
     def local_slots(self, placement: Placement, layer: int = 0) -> range:
@@ -353,8 +355,8 @@ class Dispatcher:
                              f"x_TD) and K >= 1, got {tuple(topk_ids_TK.shape)}")
         if topk_weights_TK.shape != topk_ids_TK.shape or not topk_weights_TK.is_floating_point():
             raise ValueError(f"topk_weights_TK must be a float tensor of the shape of topk_ids_TK "
-                             f"{tuple(topk_ids_TK.shape)}, got shape {tuple(topk_weights_TK.shape)} "
-                             f"and dtype {topk_weights_TK.dtype}")
+                             f"{tuple(topk_ids_TK.shape)}, got shape "
+                             f"{tuple(topk_weights_TK.shape)} and dtype {topk_weights_TK.dtype}")
         for name, value in (("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
             if value.device != x_TD.device:
                 raise ValueError(f"{name} is on {value.device} but x_TD is on {x_TD.device}; "

@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from .checks import (check_combine, check_combine_weight_grad, check_expert_ids, check_gather_rows,
-                     check_index_values, check_out, check_route, check_slot_values,
-                     check_sort_by_slot)
+from .checks import (
+    check_combine,
+    check_combine_weight_grad,
+    check_expert_ids,
+    check_gather_rows,
+    check_index_values,
+    check_out,
+    check_route,
+    check_slot_values,
+    check_sort_by_slot,
+)
 
 __all__ = ["compute_dtype", "route", "sort_by_slot", "gather_rows", "combine",
            "combine_weight_grad"]
@@ -89,7 +97,8 @@ def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, scale_N: torch.Tensor
         index_N: [N] int64, source row of each output row, in [0, M).
         scale_N: optional [N] float, factor of each output row.
         out: optional preallocated [N, D] result (x_MD's dtype, contiguous); reusing one saves
-            the first-touch page faults of a fresh allocation, which on CPU cost as much as the copy.
+            the first-touch page faults of a fresh allocation, which on CPU cost as much as
+            the copy.
 
     Returns:
         out_ND: [N, D] with x_MD's dtype.

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from .._check import index
-
 from ..placement import Placement
 
 __all__ = ["ReplicaTable", "replica_table", "replica_targets", "replica_flows"]

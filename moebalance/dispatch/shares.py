@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from .._check import integer
-
 from ..backends import backend, has_numba
 from ..planner import _jit
 from .resplit_kernel import RESPLIT_SWEEPS
@@ -131,7 +130,8 @@ def resplit_plan(table: ReplicaTable, speed_G, device=None) -> ResplitPlan:
                                                                   starts)))
 
 
-def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor, holds_GEX: torch.Tensor) -> torch.Tensor:
+def device_loads(w_E: torch.Tensor, share_EX: torch.Tensor,
+                 holds_GEX: torch.Tensor) -> torch.Tensor:
     """[G] float64 load of each device: sum over its replicas of w[e] * share[e, j].
 
     A dense reduction rather than a scatter-add: the same sum in the same order on every rank

@@ -19,5 +19,5 @@ from .pretrained import from_pretrained
 from .routers import attach, attached_tracker, find_routers
 from .wrap import save_pretrained, unwrap, unwrap_state_dict, wrap
 
-__all__ = ["attach", "attached_tracker", "find_routers", "Rebalancer", "wrap", "unwrap", "unwrap_state_dict", "save_pretrained",
-           "from_pretrained"]
+__all__ = ["attach", "attached_tracker", "find_routers", "Rebalancer", "wrap", "unwrap",
+           "unwrap_state_dict", "save_pretrained", "from_pretrained"]

@@ -1,9 +1,10 @@
-"""Hugging Face ``Trainer``: ``RebalanceTrainerCallback`` re-plans and migrates the experts while it trains.
+"""Hugging Face Trainer: ``RebalanceTrainerCallback`` re-plans and migrates experts as it trains.
 
 ::
 
     from moebalance.integrations.hf import RebalanceTrainerCallback
-    trainer = transformers.Trainer(model, args, callbacks=[RebalanceTrainerCallback(topology, every=200)])
+    trainer = transformers.Trainer(model, args,
+                                   callbacks=[RebalanceTrainerCallback(topology, every=200)])
 
 Seams: ``on_train_begin`` builds the :class:`~moebalance.Rebalancer` over the model and the
 Trainer's optimizer (under accelerate's wrapper); ``on_step_end`` (after ``optimizer.step()``
@@ -89,15 +90,15 @@ class RebalanceTrainerCallback(TrainerCallback):
             # itself: that load does not read experts saved by logical id, and the optimizer
             # state it restores is rank 0's alone. Every rank sees the same step: all refuse.
             raise ValueError(
-                f"resuming transformers.Trainer from a checkpoint (step {state.global_step}) is not "
-                f"supported for an expert-parallel model: its experts and their optimizer state are "
-                f"per rank; load the checkpoint's model with mb.from_pretrained(folder, topology) "
-                f"and train it with a new Trainer (resume_from_checkpoint=None)")
+                f"resuming transformers.Trainer from a checkpoint (step {state.global_step}) is "
+                "not supported for an expert-parallel model: its experts and their optimizer "
+                "state are per rank; load the checkpoint's model with mb.from_pretrained(folder, "
+                f"topology) and train it with a new Trainer (resume_from_checkpoint=None)")
         self._run_before_reporters()
         if self.rebalancer is None:
             if model is None:
-                raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it inside "
-                                 "transformers.Trainer(callbacks=[...])")
+                raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it "
+                                 "inside transformers.Trainer(callbacks=[...])")
             model = getattr(model, "module", model)       # under a DDP wrapper
             self._model = model
             # The Trainer clips each rank by its own norm, which splits replicas: take the

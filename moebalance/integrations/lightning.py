@@ -1,4 +1,4 @@
-"""Lightning 2.x: ``RebalanceCallback`` re-plans and migrates the experts while ``Trainer.fit`` runs.
+"""Lightning 2.x: ``RebalanceCallback`` re-plans and migrates the experts during ``Trainer.fit``.
 
 ::
 
@@ -38,8 +38,8 @@ except ImportError:  # the standalone package name
         raise ImportError("moebalance.integrations.lightning needs Lightning 2.x: "
                           "pip install 'moebalance[lightning]' (or lightning>=2.2)") from exc
 
-from ..nn import checkpoint
 from ..frameworks import exclude_experts_from_ddp
+from ..nn import checkpoint
 from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
 from .loop import Rebalancer, torch_optimizer
@@ -92,7 +92,8 @@ class RebalanceCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.rebalancer is None:
             optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
-            self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every, **self.options)
+            self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every,
+                                         **self.options)
             if self._restored is not None:
                 self.rebalancer.load_state_dict(self._restored)
 

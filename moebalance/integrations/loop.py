@@ -1,4 +1,4 @@
-"""Rebalancer: watch the loads, re-plan with few moves, migrate beside the step (plain training loop).
+"""Rebalancer (plain training loop): watch loads, re-plan with few moves, migrate beside the step.
 
 Every step, after ``optimizer.step()``::
 
@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 from torch import nn
-from .._check import optional_positive_int
 
+from .._check import optional_positive_int
 from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
 from ..migrate.transfer import MigrationError, Migrator
@@ -99,8 +99,9 @@ class Rebalancer:
             report's ``speeds`` holds them; ``topology`` becomes the measured one).
     """
 
-    def __init__(self, model: nn.Module, topology: Topology, optimizer=None, every: int | None = 200,
-                 *, threshold: float | None = None, check_every: int | None = None,
+    def __init__(self, model: nn.Module, topology: Topology, optimizer=None,
+                 every: int | None = 200, *, threshold: float | None = None,
+                 check_every: int | None = None,
                  max_moves: int | None = None, move_cost: MoveCost | None = None,
                  tracker: LoadTracker | None = None,
                  blocking: bool = False, timeout_s: float = 60.0,
@@ -112,14 +113,16 @@ class Rebalancer:
                              f"model from moebalance layers (or moebalance.wrap it) before adding "
                              f"a Rebalancer")
         if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+            raise TypeError("topology must be a moebalance.Topology, got "
+                            f"{type(topology).__name__}")
         world = self.layers[0].dispatcher.world_size
         if topology.num_devices != world:
-            raise ValueError(f"topology has {topology.num_devices} devices but the model's group has "
-                             f"{world} ranks; describe one device per rank")
+            raise ValueError(f"topology has {topology.num_devices} devices but the model's group "
+                             f"has {world} ranks; describe one device per rank")
         self.every = optional_positive_int(every, "every")
         if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 1.0):
-            raise ValueError(f"threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, got {threshold!r}")
+            raise ValueError("threshold must be a summary imbalance >= 1.0 (e.g. 1.05) or None, "
+                             f"got {threshold!r}")
         if move_cost is not None and not isinstance(move_cost, MoveCost):
             raise TypeError(f"move_cost must be a moebalance.planner.MoveCost or None, got "
                             f"{type(move_cost).__name__}")
@@ -153,7 +156,8 @@ class Rebalancer:
         if tracker is None:
             tracker = attach(model, window=min(self.every or self.check_every, self.check_every))
         elif not isinstance(tracker, LoadTracker):
-            raise TypeError(f"tracker must be a LoadTracker attached to model, got {type(tracker).__name__}")
+            raise TypeError("tracker must be a LoadTracker attached to model, got "
+                            f"{type(tracker).__name__}")
         self.tracker = tracker
         # A tracker that sums every step (no window, no EMA) is read as "loads since the last
         # re-plan": it starts afresh after each one.
@@ -161,7 +165,7 @@ class Rebalancer:
         self._rows = self._tracker_rows()
         if world > 1:
             # Connect the migration transfers now (a collective), not inside the first re-plan.
-            Migrator(self.group, timeout_s=timeout_s).transfer_group
+            Migrator(self.group, timeout_s=timeout_s).transfer_group()
         self.steps = 0
         self.last_counts = None
         self.history: list[dict] = []
@@ -190,7 +194,7 @@ class Rebalancer:
         """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
         when this step started one, else None."""
         self.steps += 1
-        self.last_counts = self.tracker.step()    # [L_tracked, E] of the step just closed, this rank
+        self.last_counts = self.tracker.step()  # [L_tracked, E] of the step just closed, this rank
         if self.speeds is not None:
             self.speeds.step(self.group)
         self._check_migration()
@@ -257,7 +261,8 @@ class Rebalancer:
                   "migration_s": None, "error": None}
         self.history.append(report)
         self._migration, self._report = migration, report
-        log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f, %d moves, %.1f MB, plan %.1f ms",
+        log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f, %d moves, %.1f MB, "
+                 "plan %.1f ms",
                  self.steps, before, after, report["moves"], report["bytes"] / 1e6, planned_ms)
         if self.blocking:
             try:
@@ -291,7 +296,8 @@ class Rebalancer:
             log.warning("moebalance: %s", migration.error)
             return
         log.info("moebalance: migration of step %d done: %d moves, %.1f MB in %.3f s",
-                 self._report["step"], figures["moves"], figures["bytes_total"] / 1e6, figures["seconds"])
+                 self._report["step"], figures["moves"], figures["bytes_total"] / 1e6,
+                 figures["seconds"])
 
     def finish(self) -> None:
         """Commit a migration still in flight now (e.g. before saving or at the end of training)."""

@@ -223,8 +223,13 @@ class _Checkpoint:
     def __init__(self, model: nn.Module, files: list[str], stack: contextlib.ExitStack) -> None:
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter,
-                                                     WeightRenaming, rename_source_key)
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
 
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]

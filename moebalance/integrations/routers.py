@@ -57,9 +57,10 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, nn.Linear) and not marked:
                 raise ValueError(
-                    f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns logits "
-                    f"only; attach() needs routers that return their chosen expert ids: use "
-                    f"transformers>=5, or call LoadTracker.record(layer, topk_ids) from your own code"
+                    f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns "
+                    f"logits only; attach() needs routers that return their chosen expert ids: "
+                    "use transformers>=5, or call LoadTracker.record(layer, topk_ids) from your "
+                    "own code"
                 )
             seen.add(id(child))
             found.append((name, child, _router_num_experts(name, child, model, marked)))
@@ -71,7 +72,8 @@ def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: 
     if isinstance(num, int) and not isinstance(num, bool) and num > 0:
         return num
     if marked:
-        raise ValueError(f"router {name} sets moebalance_router = True but has no positive int num_experts")
+        raise ValueError(f"router {name} sets moebalance_router = True but has no positive "
+                         "int num_experts")
     weight = getattr(router, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0])
@@ -80,7 +82,8 @@ def _router_num_experts(name: str, router: nn.Module, model: nn.Module, marked: 
         value = getattr(config, field, None)
         if isinstance(value, int) and value > 0:
             return value
-    raise ValueError(f"cannot tell the number of experts of router {name}: give it a num_experts attribute")
+    raise ValueError(f"cannot tell the number of experts of router {name}: give it a "
+                     "num_experts attribute")
 
 
 def attached_tracker(model: nn.Module) -> LoadTracker | None:
@@ -96,8 +99,9 @@ def attached_tracker(model: nn.Module) -> LoadTracker | None:
         tracker = ref() if ref is not None else None
         owners.add(tracker if tracker is not None and tracker.attached else None)
     if len(owners) > 1:
-        raise ValueError(f"the routers of {type(model).__name__} record into {len(owners)} different "
-                         f"trackers (or some into none); detach() them and attach() one to the model")
+        raise ValueError(f"the routers of {type(model).__name__} record into {len(owners)} "
+                         "different trackers (or some into none); detach() them and attach() one "
+                         "to the model")
     return owners.pop() if owners else None
 
 
@@ -123,8 +127,8 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
     if not routers:
         raise ValueError(
             f"no MoE router found in {type(model).__name__}: attach() hooks children named "
-            f"{' / '.join(ROUTER_CHILD_NAMES)} of modules with an `experts` child (transformers 5.x MoE "
-            f"blocks) and modules whose class sets moebalance_router = True"
+            f"{' / '.join(ROUTER_CHILD_NAMES)} of modules with an `experts` child (transformers "
+            f"5.x MoE blocks) and modules whose class sets moebalance_router = True"
         )
     experts = {num for _, _, num in routers}
     if len(experts) != 1:
@@ -139,12 +143,13 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
         if not isinstance(tracker, LoadTracker):
             raise TypeError(f"tracker must be a LoadTracker, got {type(tracker).__name__}")
         if window is not None or ema is not None:
-            raise ValueError("window/ema configure a new tracker; the tracker passed in already has its own")
+            raise ValueError("window/ema configure a new tracker; the tracker passed in already "
+                             "has its own")
         if (tracker.num_layers, tracker.num_experts) != (len(routers), num_experts):
             raise ValueError(
-                f"tracker has num_layers={tracker.num_layers}, num_experts={tracker.num_experts} but the "
-                f"model has {len(routers)} MoE layers of {num_experts} experts; build it as "
-                f"LoadTracker({len(routers)}, {num_experts}, ...)"
+                f"tracker has num_layers={tracker.num_layers}, num_experts={tracker.num_experts} "
+                f"but the model has {len(routers)} MoE layers of {num_experts} experts; build it "
+                f"as LoadTracker({len(routers)}, {num_experts}, ...)"
             )
         if tracker.attached:
             raise ValueError("tracker is already attached to a model; call tracker.detach() first")
@@ -178,11 +183,12 @@ def _make_hook(tracker: LoadTracker, layer: int, name: str):
         # A forward replayed inside backward (activation checkpointing) was already counted.
         if torch._C._current_graph_task_id() != -1:
             return
-        if not (isinstance(output, (tuple, list)) and len(output) == 3 and isinstance(output[2], torch.Tensor)):
+        if not (isinstance(output, (tuple, list)) and len(output) == 3
+                and isinstance(output[2], torch.Tensor)):
             raise ValueError(
                 f"router {name} ({type(module).__name__}) returned {type(output).__name__}, not "
-                f"(router_logits, top_k_weights, top_k_index); attach() supports routers that return "
-                f"that triple -- record other routers' ids with LoadTracker.record()"
+                "(router_logits, top_k_weights, top_k_index); attach() supports routers that "
+                f"return that triple -- record other routers' ids with LoadTracker.record()"
             )
         tracker.record(layer, output[2])
 

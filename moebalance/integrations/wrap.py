@@ -46,10 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.dispatcher import Dispatcher
-from ..nn.slots import ExpertSlots, current_placement, moe_layers
 from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
-from ..placement import Placement
 from ..nn.grad_sync import GradientSync
+from ..nn.slots import ExpertSlots, current_placement, moe_layers
+from ..placement import Placement
 from ..topology import Topology
 from .routers import attach, moe_blocks
 
@@ -176,7 +176,8 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
     from ..planner import plan
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+        raise TypeError("model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
     blocks = moe_blocks(model)
@@ -202,7 +203,8 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
     if placement is None:
         placement = plan(np.ones((len(blocks), E)), topology)
     elif not isinstance(placement, Placement):
-        raise TypeError(f"placement must be a moebalance.Placement or None, got {type(placement).__name__}")
+        raise TypeError("placement must be a moebalance.Placement or None, got "
+                        f"{type(placement).__name__}")
     if placement.num_layers != len(blocks) or placement.num_experts != E:
         raise ValueError(f"placement has {placement.num_layers} layers of {placement.num_experts} "
                          f"experts; the model has {len(blocks)} MoE blocks of {E}: plan one row "
@@ -294,7 +296,7 @@ class _SavePretrained:
 
 
 def unwrap_state_dict(model: nn.Module) -> dict:
-    """The wrapped model's state dict in transformers' own layout (every expert, by id). Collective."""
+    """The wrapped model's state dict in transformers' layout (every expert, by id). Collective."""
     from ..nn.checkpoint import expert_state_dict
 
     return expert_state_dict(model)["model"]

@@ -28,11 +28,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._check import positive_int, to_numpy
-from ..topology import planning_loads
 from ..placement import Placement
 from ..planner.eplb import check_arguments
-from ..topology import Topology
-
+from ..topology import Topology, planning_loads
 
 # -- the baseline: EPLB as published, plain Python loops over torch tensors ------------------------
 # Like the original, the loops index torch tensors element by element: that is where EPLB spends

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.moe import DenseMoE, ExpertParallelMoE
-from ..placement import Placement
 from ..frameworks import check_ddp
 from ..nn.grad_sync import GradientSync
+from ..nn.moe import DenseMoE, ExpertParallelMoE
+from ..placement import Placement
 
 __all__ = ["MoELanguageModel", "lm_loss", "stdlib_corpus", "TextBatches", "tiny_hf_moe"]
 
@@ -88,8 +88,8 @@ class _Block(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(self.norm1(x_BTD)).view(B, T, 3, self.heads, D // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
         x_BTD = x_BTD + self.proj(att.transpose(1, 2).reshape(B, T, D))
         return x_BTD + self.moe(self.norm2(x_BTD))
 
@@ -172,7 +172,8 @@ def tiny_hf_moe(family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8,
                                                moe_intermediate_size=expert_hidden,
                                                shared_expert_intermediate_size=expert_hidden),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=experts, head_dim=head_dim,
-                                               moe_intermediate_size=expert_hidden, norm_topk_prob=True),
+                                               moe_intermediate_size=expert_hidden,
+                                               norm_topk_prob=True),
         "olmoe": lambda: tf.OlmoeConfig(**common, num_experts=experts, eos_token_id=None,
                                         pad_token_id=None),
         "deepseek_v3": lambda: tf.DeepseekV3Config(

@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import __version__
-from . import workloads
 from ..backends import backends
+from . import workloads
 
 __all__ = ["format_text", "format_markdown", "machine_info", "legend_entries", "legend_text",
            "legend_markdown", "PLANNER_PLOT_CAPTION", "add_caption"]
@@ -105,7 +105,8 @@ def machine_info(argv: Sequence[str]) -> dict:
 def markdown_header(title: str, info: dict) -> list[str]:
     """The first lines of a benchmark's summary.md: title, machine, versions, command, date."""
     return [f"# {title}", "", f"- machine: {info['cpu']}, {info['cores']} cores",
-            f"- versions: python {info['python']}, torch {info['torch']}, moebalance {info['moebalance']}",
+            f"- versions: python {info['python']}, torch {info['torch']}, moebalance "
+            f"{info['moebalance']}",
             f"- command: {info['command']}", f"- date: {info['timestamp']}"]
 
 

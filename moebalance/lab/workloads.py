@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-# -- loads ------------------------------------------------------------------------------------------
+# -- loads -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def synthetic_loads(skew: str | Skew = "moderate", seed: int = 0, *, num_layers:
             raise ValueError(f"skew must be one of {sorted(SKEWS)} or a Skew, got {skew!r}")
         skew = SKEWS[skew]
     elif not isinstance(skew, Skew):
-        raise TypeError(f"skew must be a name from {sorted(SKEWS)} or a Skew, got {type(skew).__name__}")
+        raise TypeError(f"skew must be a name from {sorted(SKEWS)} or a Skew, got "
+                        f"{type(skew).__name__}")
     integer(seed, "seed", 0)
     L = positive_int(num_layers, "num_layers")
     E = positive_int(num_experts, "num_experts")
@@ -206,13 +207,14 @@ def trace_loads(name: str = "mixtral") -> tuple[np.ndarray, dict]:
         counts = np.asarray(data["counts"])
         meta = json.loads(str(data["meta"])) if "meta" in data else {}
     if counts.ndim != 3 or counts.shape[0] < 1:
-        raise ValueError(f"{path.name}: counts must have shape [steps, layers, experts], got {counts.shape}")
+        raise ValueError(f"{path.name}: counts must have shape [steps, layers, experts], got "
+                         f"{counts.shape}")
     if not np.issubdtype(counts.dtype, np.number) or np.any(counts < 0):
         raise ValueError(f"{path.name}: counts must be non-negative numbers")
     return counts.astype(np.float64), meta
 
 
-# -- clusters ---------------------------------------------------------------------------------------
+# -- clusters --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

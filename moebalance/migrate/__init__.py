@@ -5,4 +5,5 @@ ranks-agree check)."""
 from .plan import MigrationPlan, align_slots, plan_migration
 from .transfer import Migration, MigrationError, Migrator
 
-__all__ = ["MigrationPlan", "plan_migration", "align_slots", "Migrator", "Migration", "MigrationError"]
+__all__ = ["MigrationPlan", "plan_migration", "align_slots", "Migrator", "Migration",
+           "MigrationError"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from .._check import positive_int
 
+from .._check import positive_int
 from ..placement import Placement
 from ..topology import Topology
 
@@ -153,7 +153,8 @@ def plan_migration(old: Placement, new: Placement, topology: Topology | None = N
     G = old.num_devices
     if topology is not None:
         if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a moebalance.Topology or None, got {type(topology).__name__}")
+            raise TypeError("topology must be a moebalance.Topology or None, got "
+                            f"{type(topology).__name__}")
         if topology.num_devices != G:
             raise ValueError(f"topology has {topology.num_devices} devices but the placements span "
                              f"{G}; pass the topology they were planned for")

@@ -55,8 +55,15 @@ import torch.distributed as dist
 from ..collective_errors import GroupError
 from ..device_index import to_device_async
 from .plan import MigrationPlan
-from .wire import (MIGRATION_NUMBERS, MIGRATION_TAG_BASE, MIGRATION_TAG_KINDS, MIGRATION_TAG_LAYERS,
-                   flag_device, group_key, same_everywhere)
+from .wire import (
+    MIGRATION_NUMBERS,
+    MIGRATION_TAG_BASE,
+    MIGRATION_TAG_KINDS,
+    MIGRATION_TAG_LAYERS,
+    flag_device,
+    group_key,
+    same_everywhere,
+)
 
 __all__ = ["Migrator", "Migration", "MigrationError"]
 
@@ -67,7 +74,7 @@ _GENERATION: dict = {}
 _BROKEN_GROUPS: list = []
 
 class MigrationError(GroupError):
-    """A migration failed on some rank; every rank raises the same text and keeps the old placement."""
+    """A migration failed on some rank; every rank raises the same text, keeps the old placement."""
 
 
 def shaped_state(optimizer, param: torch.Tensor) -> dict:
@@ -117,11 +124,15 @@ class Migrator:
 
     def __init__(self, group=None, *, timeout_s: float = 60.0,
                  max_bytes_in_flight: int | None = None) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-        if max_bytes_in_flight is not None and (isinstance(max_bytes_in_flight, bool) or not isinstance(
-                max_bytes_in_flight, (int, np.integer)) or max_bytes_in_flight < 1):
-            raise ValueError(f"max_bytes_in_flight must be an int >= 1 or None, got {max_bytes_in_flight!r}")
+        if max_bytes_in_flight is not None and (
+                isinstance(max_bytes_in_flight, bool)
+                or not isinstance(max_bytes_in_flight, (int, np.integer))
+                or max_bytes_in_flight < 1):
+            raise ValueError("max_bytes_in_flight must be an int >= 1 or None, got "
+                             f"{max_bytes_in_flight!r}")
         self.group = group
         self.timeout_s = float(timeout_s)
         self.max_bytes_in_flight = None if max_bytes_in_flight is None else int(max_bytes_in_flight)
@@ -132,7 +143,6 @@ class Migrator:
             self.rank, self.world_size = 0, 1
         self._count = 0
 
-    @property
     def transfer_group(self):
         """The connections the rows travel on: the ranks of ``group``, connected afresh.
 
@@ -169,7 +179,8 @@ class Migrator:
         Args:
             plan: from :func:`plan_migration`, identical on every rank.
             slot_params: for each layer of the plan, this rank's slot tensors of that layer
-                (``[Ls, ...]`` each, the same list structure on every rank), e.g. ``[gate_up, down]``.
+                (``[Ls, ...]`` each, the same list structure on every rank), e.g.
+                ``[gate_up, down]``.
             optimizer: the ``torch.optim.Optimizer`` that updates them (its shaped state moves with
                 the rows), or None to move weights only.
 
@@ -177,21 +188,24 @@ class Migrator:
             :class:`Migration`. Collective: every rank of the group calls it with the same plan.
         """
         if not isinstance(plan, MigrationPlan):
-            raise TypeError(f"plan must be a MigrationPlan from plan_migration(), got {type(plan).__name__}")
+            raise TypeError("plan must be a MigrationPlan from plan_migration(), got "
+                            f"{type(plan).__name__}")
         if plan.old.num_devices != self.world_size:
             raise ValueError(f"plan spans {plan.old.num_devices} devices but the group has "
                              f"{self.world_size} ranks; plan for one device per rank")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+            raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
+                            f"{type(optimizer).__name__}")
         missing = [layer for layer in plan.changed_layers if layer not in slot_params]
         if missing:
             raise ValueError(f"slot_params has no slot tensors for layers {missing} that the plan "
                              f"changes; pass every layer's [gate_up, down] (or equivalent)")
         self._check_agreement(plan, slot_params, optimizer)
         if plan.num_moves and self.world_size > 1:
-            self.transfer_group     # every rank connects now, also one that sends nothing yet
+            self.transfer_group()   # every rank connects now, also one that sends nothing yet
         self._count += 1
-        return Migration(self, plan, {layer: list(slot_params[layer]) for layer in plan.changed_layers},
+        return Migration(self, plan,
+                         {layer: list(slot_params[layer]) for layer in plan.changed_layers},
                          optimizer, self._count)
 
     def _check_agreement(self, plan, slot_params, optimizer) -> None:
@@ -200,9 +214,11 @@ class Migrator:
         for layer in plan.changed_layers:
             for p in slot_params[layer]:
                 if not isinstance(p, torch.Tensor) or p.dim() < 1:
-                    raise TypeError(f"slot_params[{layer}] must hold tensors with a leading slot dim")
+                    raise TypeError(f"slot_params[{layer}] must hold tensors with a leading "
+                                    "slot dim")
                 mine.append((layer, tuple(p.shape[1:]), str(p.dtype),
-                             tuple((n, str(t.dtype)) for n, t in shaped_state(optimizer, p).items())))
+                             tuple((n, str(t.dtype))
+                                   for n, t in shaped_state(optimizer, p).items())))
         if self.world_size == 1 or same_everywhere(repr(mine), self.group):
             return
         everyone = [None] * self.world_size
@@ -212,7 +228,8 @@ class Migrator:
                 raise ValueError(
                     f"rank {rank} holds slot tensors or optimizer state {theirs} where rank "
                     f"{self.rank} holds {mine}; every rank must pass the same layers, parameter "
-                    f"shapes/dtypes and optimizer (state created on every rank, e.g. after one step)")
+                    "shapes/dtypes and optimizer (state created on every rank, e.g. after "
+                    "one step)")
 
 
 class Migration:
@@ -288,7 +305,8 @@ class Migration:
             try:
                 self._transfers[layer] = self._post(layer)
             except Exception as exc:  # noqa: BLE001 - reported to every rank at the commit
-                self._transfers[layer] = _LayerTransfer([_Failed(exc)], [], self._optimizer_steps, 0)
+                self._transfers[layer] = _LayerTransfer([_Failed(exc)], [],
+                                                        self._optimizer_steps, 0)
             started_bytes += cost
 
     def _layer_send_bytes(self, layer: int) -> int:
@@ -316,12 +334,14 @@ class Migration:
         src, dst = plan.src_rank_M[rows], plan.dst_rank_M[rows]
         kinds = self._kinds(layer)
         if len(kinds) > MIGRATION_TAG_KINDS:
-            raise ValueError(f"layer {layer} moves {len(kinds)} tensors per row; at most {MIGRATION_TAG_KINDS}")
+            raise ValueError(f"layer {layer} moves {len(kinds)} tensors per row; at most "
+                             f"{MIGRATION_TAG_KINDS}")
         device = kinds[0].device
         ops: list[tuple] = []     # (is_send, peer, tensor, tag)
         staged = []
         sent = 0
-        tag0 = (MIGRATION_TAG_BASE + (self._number % MIGRATION_NUMBERS) * MIGRATION_TAG_LAYERS * MIGRATION_TAG_KINDS
+        tag0 = (MIGRATION_TAG_BASE
+                + (self._number % MIGRATION_NUMBERS) * MIGRATION_TAG_LAYERS * MIGRATION_TAG_KINDS
                 + (layer % MIGRATION_TAG_LAYERS) * MIGRATION_TAG_KINDS)
         # Every index this rank uses for the layer, in one host array and one copy: per peer the
         # slots it sends from, the slots it stages into, and (a copy inside this rank) its sources.
@@ -371,11 +391,12 @@ class Migration:
         """Post ``ops`` ((is_send, peer, tensor, tag)) and return their works (the fault seam)."""
         if not ops:
             return []
-        group = self.migrator.transfer_group
+        group = self.migrator.transfer_group()
         works = []
         for is_send, peer, tensor, tag in ops:
             if isinstance(group, dist.ProcessGroupGloo):
-                works.append(group.send([tensor], peer, tag) if is_send else group.recv([tensor], peer, tag))
+                works.append(group.send([tensor], peer, tag) if is_send
+                             else group.recv([tensor], peer, tag))
             elif is_send:
                 works.append(dist.isend(tensor, group=group, group_dst=peer, tag=tag))
             else:

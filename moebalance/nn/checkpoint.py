@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .slots import ExpertSlots, current_placement, first_holder_rows, moe_layers
 from ..placement import Placement
+from .slots import ExpertSlots, current_placement, first_holder_rows, moe_layers
 
 __all__ = ["expert_state_dict", "load_expert_state_dict", "save", "load"]
 
@@ -96,10 +96,12 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
                     continue
                 logical, other = {}, {}
                 for key, value in optimizer.state.get(p, {}).items():
-                    if id(p) in slot_owner and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    if id(p) in slot_owner and isinstance(value, torch.Tensor) \
+                            and value.shape == p.shape:
                         logical[key] = _gather_rows(value, slot_owner[id(p)])
                     else:
-                        other[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                        other[key] = (value.detach().clone() if isinstance(value, torch.Tensor)
+                                      else value)
                 per_param[names[id(p)]] = {"logical": logical, "other": other}
         out["optimizer"] = {"state": per_param, "param_groups": groups}
     return out
@@ -114,8 +116,9 @@ def load_expert_state_dict(module: nn.Module, state: dict,
     is restored the same way and its hyperparameters set to the saved ones.
     """
     if not isinstance(state, dict) or "model" not in state:
-        raise ValueError("state must be the dict returned by moebalance.nn.checkpoint.expert_state_dict "
-                         "(or loaded by moebalance.nn.checkpoint.load)")
+        raise ValueError("state must be the dict returned by "
+                         "moebalance.nn.checkpoint.expert_state_dict (or loaded "
+                         "by moebalance.nn.checkpoint.load)")
     layers = moe_layers(module)
     _drain(layers)
     prefixes = _layer_prefixes(module)
@@ -139,7 +142,8 @@ def load_expert_state_dict(module: nn.Module, state: dict,
         return
     saved = state.get("optimizer")
     if saved is None:
-        raise ValueError("state holds no optimizer state; save it with expert_state_dict(model, optimizer)")
+        raise ValueError("state holds no optimizer state; save it with "
+                         "expert_state_dict(model, optimizer)")
     params = dict(module.named_parameters())
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
@@ -147,9 +151,11 @@ def load_expert_state_dict(module: nn.Module, state: dict,
         p = params.get(fqn)
         if p is None:
             raise ValueError(f"optimizer state for {fqn!r} has no parameter in this model")
-        restored = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry["other"].items()}
+        restored = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in entry["other"].items()}
         for k, full in entry["logical"].items():
-            restored[k] = full.index_select(0, slot_rows[id(p)].to(full.device)).to(p.device).clone()
+            restored[k] = (full.index_select(0, slot_rows[id(p)].to(full.device))
+                           .to(p.device).clone())
         if restored:
             optimizer.state[p] = restored
 

@@ -1,4 +1,4 @@
-"""Gradient reduction of replicated parameters: expert replicas among their holders, the rest over the group.
+"""Reduce replicated parameters' gradients: expert replicas among holders, the rest over the group.
 
 Replicas of an expert must stay identical (DESIGN invariant 3), so each replica's gradient
 becomes the sum of the gradients of all replicas of that expert. :class:`HolderExchange` does it
@@ -62,7 +62,8 @@ class HolderExchange:
         tag: a number unique to the layer within its group (messages carry it).
     """
 
-    def __init__(self, phy2log_S: np.ndarray, slot_device_S: np.ndarray, rank: int, tag: int) -> None:
+    def __init__(self, phy2log_S: np.ndarray, slot_device_S: np.ndarray, rank: int,
+                 tag: int) -> None:
         phy2log_S = np.asarray(phy2log_S, dtype=np.int64)
         slot_device_S = np.asarray(slot_device_S, dtype=np.int64)
         lo, hi = np.searchsorted(slot_device_S, [rank, rank + 1])
@@ -74,7 +75,8 @@ class HolderExchange:
         last = GRAD_SYNC_TAG_BASE + ((self.tag + 1) * GRAD_SYNC_TAG_KINDS) * 2 - 1
         if self.tag < 0 or last not in tag_space("grad_sync"):
             raise ValueError(f"tag {tag} puts gradient messages outside their tag space "
-                             f"{TAG_SPACES['grad_sync']}; layer tags must be small non-negative ints")
+                             f"{TAG_SPACES['grad_sync']}; layer tags must be small "
+                             "non-negative ints")
         self.num_held = int(rep_slots.size)
         self.rep_slots = torch.from_numpy(rep_slots)
         self._rep_slots = DeviceIndex(self.rep_slots)     # device copies, made once per device
@@ -95,7 +97,8 @@ class HolderExchange:
         # Per peer, entries in ascending expert id on both sides, so the two ends agree on order.
         self.pairs = [(peer, torch.tensor([i for _, i in sorted(pairs[peer])], dtype=torch.int64))
                       for peer in sorted(pairs)]
-        self.splits = [(peer, [entry[1:] for entry in sorted(splits[peer])]) for peer in sorted(splits)]
+        self.splits = [(peer, [entry[1:] for entry in sorted(splits[peer])])
+                       for peer in sorted(splits)]
         self._pair_rows = [DeviceIndex(rows) for _, rows in self.pairs]
 
     def rep_slots_on(self, device: torch.device) -> torch.Tensor:
@@ -193,7 +196,8 @@ class HolderExchange:
 def _send_recv(out: torch.Tensor, inc: torch.Tensor, group, peer: int, tag: int) -> list:
     """P2P ops of one message each way; an empty one (rows shorter than their holder count)
     is skipped, on both ends alike since both compute its size."""
-    ops = [dist.P2POp(dist.isend, out, group=group, group_peer=peer, tag=tag)] if out.numel() else []
+    ops = ([dist.P2POp(dist.isend, out, group=group, group_peer=peer, tag=tag)] if out.numel()
+           else [])
     if inc.numel():
         ops.append(dist.P2POp(dist.irecv, inc, group=group, group_peer=peer, tag=tag))
     return ops
@@ -216,7 +220,7 @@ class _Posted:
 
 
 class GradientSync:
-    """Reduce gradients during backward: expert slot rows among holders, other tensors over the group.
+    """Reduce gradients in backward: expert slot rows among holders, other tensors over the group.
 
     Args:
         group: the process group.

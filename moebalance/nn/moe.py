@@ -27,13 +27,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..collective_errors import Attempt, take_backward_failure
 from .._check import positive_int
+from ..collective_errors import Attempt, take_backward_failure
 from ..dispatch.dispatcher import Dispatcher
-from .slots import (ExpertSlots, apply_placement, clip_grad_norm_, current_placement,
-                           moe_layers, reduce_replica_gradients)
 from ..frameworks import check_ddp
 from ..placement import Placement
+from .slots import (
+    ExpertSlots,
+    apply_placement,
+    clip_grad_norm_,
+    current_placement,
+    moe_layers,
+    reduce_replica_gradients,
+)
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
@@ -267,7 +273,8 @@ class DenseMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         D = self.router.hidden_dim
         if hidden_states.shape[-1] != D:
-            raise ValueError(f"hidden_states must have shape [..., {D}], got {tuple(hidden_states.shape)}")
+            raise ValueError(f"hidden_states must have shape [..., {D}], got "
+                             f"{tuple(hidden_states.shape)}")
         x_TD = hidden_states.reshape(-1, D)
         _, topk_weights, topk_ids = self.router(x_TD)
         out = torch.zeros_like(x_TD)
@@ -376,7 +383,8 @@ class ExpertParallelMoE(ExpertSlots):
                 the constructor.
         """
         if not isinstance(dense, DenseMoE):
-            raise TypeError(f"dense must be a moebalance.nn.moe.DenseMoE, got {type(dense).__name__}")
+            raise TypeError("dense must be a moebalance.nn.moe.DenseMoE, got "
+                            f"{type(dense).__name__}")
         router = dense.router
         moe = cls(router.hidden_dim, dense.experts.ffn_dim, router.num_experts, router.top_k,
                   placement, layer, group, norm_topk_prob=router.norm_topk_prob, seed=0, **options)

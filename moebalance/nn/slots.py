@@ -49,8 +49,9 @@ def _read_only(name: str) -> property:
         raise AttributeError(
             f"{type(self).__name__}.{name} is read-only: the slot rows, routing tables and "
             f"gradient sync follow the placement together; change it with "
-            f"layer.apply_placement(new_placement, optimizer) (or moebalance.apply_placement(model, "
-            f"new_placement, optimizer) for every layer of a model)")
+            "layer.apply_placement(new_placement, optimizer) (or "
+            "moebalance.apply_placement(model, new_placement, optimizer) for every layer of "
+            "a model)")
 
     return property(get, refuse, doc=f"The layer's current {name} (read-only).")
 
@@ -74,7 +75,7 @@ class ExpertSlots(nn.Module):
 
     @abstractmethod
     def named_slot_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(name relative to this layer, parameter [Ls, ...]) of every slot tensor, in a fixed order."""
+        """(name within this layer, parameter [Ls, ...]) of every slot tensor, in a fixed order."""
 
     def slot_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_slot_parameters()]
@@ -85,10 +86,12 @@ class ExpertSlots(nn.Module):
 
     def _check_placement(self, placement: Placement, layer: int, num_experts: int) -> None:
         if not isinstance(placement, Placement):
-            raise TypeError(f"placement must be a moebalance.Placement, got {type(placement).__name__}")
+            raise TypeError("placement must be a moebalance.Placement, got "
+                            f"{type(placement).__name__}")
         if placement.num_experts != num_experts:
             raise ValueError(f"placement has {placement.num_experts} experts but the layer has "
-                             f"num_experts={num_experts}; plan the placement for this layer's experts")
+                             f"num_experts={num_experts}; plan the placement for this "
+                             "layer's experts")
 
     def _init_slots(self, placement: Placement, layer: int, *, grad_sync: str,
                     group_params=(), grad_scale: float = 1.0) -> None:
@@ -121,7 +124,8 @@ class ExpertSlots(nn.Module):
         num_slots = self.slot_parameters()[0].shape[0]
         if len(local) != num_slots:
             raise ValueError(f"placement gives rank {self.dispatcher.rank} {len(local)} slots but "
-                             f"this layer stores {num_slots}; placements must keep the topology's slots")
+                             f"this layer stores {num_slots}; placements must keep the "
+                             "topology's slots")
         experts = placement.phy2log[layer, local.start:local.stop].copy()
         experts.setflags(write=False)
         self.__dict__["_first_holders"] = None        # DeviceIndex of first_holder_rows, lazily
@@ -137,11 +141,11 @@ class ExpertSlots(nn.Module):
 
     @property
     def pending_migration(self):
-        """The :class:`~moebalance.migrate.transfer.Migration` this layer still has to commit, or None."""
+        """The :class:`~moebalance.migrate.Migration` this layer still has to commit, or None."""
         return self._pending
 
     def replica_sync_bytes(self) -> int:
-        """Bytes this rank sends per step to reduce its expert replicas' gradients (holders only)."""
+        """Bytes this rank sends per step to reduce its replicas' gradients (holders only)."""
         return self._exchange.bytes_sent(self.slot_parameters())
 
     def _commit_pending(self) -> None:
@@ -162,7 +166,7 @@ class ExpertSlots(nn.Module):
                 "num_experts": p.num_experts}
 
     def set_extra_state(self, state: dict) -> None:
-        """Resume the placement row a per-rank checkpoint was saved under (its rows came with it)."""
+        """Resume the placement row a per-rank checkpoint was saved under (its rows came along)."""
         current = self.placement
         if (state.get("num_experts") != current.num_experts
                 or state.get("slot_device") != current.slot_device.tolist()):
@@ -170,8 +174,8 @@ class ExpertSlots(nn.Module):
                 f"this checkpoint of layer {self.layer} was saved for devices/slots "
                 f"{np.bincount(state.get('slot_device', [])).tolist()} and "
                 f"{state.get('num_experts')} experts; this layer runs "
-                f"{np.bincount(current.slot_device).tolist()} and {current.num_experts}: load it by "
-                f"logical expert with moebalance.nn.checkpoint.load_expert_state_dict")
+                f"{np.bincount(current.slot_device).tolist()} and {current.num_experts}: load it "
+                f"by logical expert with moebalance.nn.checkpoint.load_expert_state_dict")
         if self._pending is not None:
             self._pending.wait()
         phy2log = current.phy2log.copy()
@@ -280,7 +284,8 @@ def current_placement(module: nn.Module) -> Placement:
     phy2log, share = base.phy2log.copy(), base.share.copy()
     for layer in layers:
         p = layer.placement
-        if p.phy2log.shape != base.phy2log.shape or not np.array_equal(p.slot_device, base.slot_device):
+        if p.phy2log.shape != base.phy2log.shape or not np.array_equal(p.slot_device,
+                                                                       base.slot_device):
             raise ValueError("the expert-parallel layers of this module follow placements of "
                              "different shapes; one placement must cover all of them")
         phy2log[layer.layer] = p.phy2log[layer.layer]
@@ -323,7 +328,8 @@ def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topolo
         max_bytes_in_flight: start only as many layers per step boundary as fit (at least one).
 
     Returns:
-        The :class:`~moebalance.migrate.transfer.Migration` (``report()`` has moves, bytes and time).
+        The :class:`~moebalance.migrate.transfer.Migration` (``report()`` has its moves, bytes
+        and time).
 
     Raises:
         MigrationError: with ``blocking``, on every rank, if a transfer failed; the layers keep a
@@ -427,7 +433,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         g = g.detach().double()
         parts.append(g.abs().max() if norm_type == float("inf") and g.numel() else g.pow(2).sum())
     device = grads[0].device if grads else torch.device("cpu")
-    total = torch.stack(parts).to(device) if parts else torch.zeros(1, dtype=torch.float64, device=device)
+    total = (torch.stack(parts).to(device) if parts
+             else torch.zeros(1, dtype=torch.float64, device=device))
     if norm_type == float("inf"):
         total = total.max() if total.numel() else total.sum()
         if world > 1:

@@ -51,7 +51,8 @@ from ..report import format_markdown, format_text, machine_info, phase, slowest
 
 DESCRIPTION = ("Benchmark the token dispatch: Numba permute/unpermute kernels vs argsort + "
                "index_select vs a plain copy (CPU), dispatch + combine with each row exchange vs "
-               "raw all_to_all_single (gloo ranks), and the CUDA kernels vs device copy bandwidth (GPU, when present).")
+               "raw all_to_all_single (gloo ranks), and the CUDA kernels vs device copy bandwidth "
+               "(GPU, when present).")
 FULL = {"tokens": 16384, "hidden": 1024, "top_k": 8, "slots": 64, "repeats": 7,
         "dist_tokens": 2048, "dist_hidden": 512, "dist_repeats": 10,
         "expert_rows": 8192, "expert_hidden": 512, "expert_ffn": 256}
@@ -334,8 +335,9 @@ def run_gpu(tokens: int, hidden: int, top_k: int, slots: int, repeats: int, seed
         copy_gbps = _gbps(moved["copy_"], timed["copy_"])
         for op, seconds in timed.items():
             gbps = _gbps(moved[op], seconds)
-            rows.append(Row("gpu", f"{op} {str(dtype).replace('torch.', '')}", "cuda" if op != "copy_"
-                            else "torch", seconds * 1e3, gbps, gbps / copy_gbps))
+            rows.append(Row("gpu", f"{op} {str(dtype).replace('torch.', '')}",
+                            "cuda" if op != "copy_" else "torch", seconds * 1e3, gbps,
+                            gbps / copy_gbps))
     return rows
 
 
@@ -469,7 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"D in the distributed section (default {FULL['dist_hidden']})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--out", default=os.path.join("bench-out", "dispatch"), metavar="DIR",
-                        help="folder for results.json and summary.md (default ./bench-out/dispatch)")
+                        help="folder for results.json and summary.md "
+                             "(default ./bench-out/dispatch)")
 
 
 def _cells(rows: Sequence[Row]) -> list[list[str]]:
@@ -510,7 +513,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if "cpu" in sections:
         phase(prog, "cpu: permute and unpermute kernels against their baselines", t0)
         if has_numba():
-            rows += run_cpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats, args.seed)
+            rows += run_cpu(args.tokens, args.hidden, args.top_k, args.slots, args.repeats,
+                            args.seed)
         else:
             notes.append("cpu section skipped: Numba is not installed")
     if "dist" in sections:
@@ -519,15 +523,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         rows += run_dist(args.ranks, args.dist_tokens, args.dist_hidden, args.top_k,
                          preset["dist_repeats"] if args.quick else max(args.repeats, 5), args.seed)
         notes.append(f"dist: {args.ranks} gloo ranks on 127.0.0.1, one thread each, "
-                     f"{args.dist_tokens} tokens x top-{args.top_k} per rank, D={args.dist_hidden}; "
-                     f"time of the slowest rank; 'vs copy' is the raw exchange's time (even "
-                     f"splits) over each method's; dispatch+combine includes routing, sorting, "
-                     f"the counts exchange and its host sync, the row exchange both ways (p2p: "
-                     f"point-to-point messages, own rows never sent; all_to_all: the collective "
-                     f"plus the slot-major reorder and its inverse) and the weighted combine; "
-                     f"'routed splits' sends each rank the rows the dispatch sends it, with own "
-                     f"rows through the collective as all_to_all does; raw pairs do no "
-                     f"permute, reorder or combine")
+                     f"{args.dist_tokens} tokens x top-{args.top_k} per rank, "
+                     f"D={args.dist_hidden}; time of the slowest rank; 'vs copy' is the raw "
+                     "exchange's time (even splits) over each method's; dispatch+combine includes "
+                     "routing, sorting, the counts exchange and its host sync, the row exchange "
+                     "both ways (p2p: point-to-point messages, own rows never sent; all_to_all: "
+                     "the collective plus the slot-major reorder and its inverse) and the "
+                     "weighted combine; 'routed splits' sends each rank the rows the dispatch "
+                     "sends it, with own rows through the collective as all_to_all does; raw "
+                     f"pairs do no permute, reorder or combine")
     if "gpu" in sections:
         if has_cupy_gpu():
             phase(prog, "gpu: CUDA gather_rows and combine", t0)

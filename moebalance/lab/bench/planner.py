@@ -48,21 +48,34 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import workloads
 from ...backends import backend, has_numba
-from ...cli.args import (ArgumentParser, UsageError, nonneg_int_arg, positive_int_arg, run_guarded,
-                        writable_dir)
+from ...cli.args import (
+    ArgumentParser,
+    UsageError,
+    nonneg_int_arg,
+    positive_int_arg,
+    run_guarded,
+    writable_dir,
+)
 from ...metrics import balancedness, imbalance, summary_imbalance
 from ...placement import Placement
 from ...planner import plan, rebalance_experts
 from ...topology import Topology
 from .. import eplb_reference as eplb
+from .. import workloads
+from ..report import (
+    PLANNER_PLOT_CAPTION,
+    add_caption,
+    format_markdown,
+    format_text,
+    legend_markdown,
+    legend_text,
+    machine_info,
+)
 from .migration import BUDGETS_PCT, FRONTIER_COLUMNS, frontier_cells, plot_frontier, run_frontier
 from .per_step import optimal_share_figures, per_step_figures
 from .verdict import COLUMNS as VERDICT_COLUMNS
 from .verdict import verdict_cells, verdict_legend, verdict_text
-from ..report import (PLANNER_PLOT_CAPTION, add_caption, format_markdown, format_text,
-                     legend_markdown, legend_text, machine_info)
 
 DESCRIPTION = ("Planner benchmark: moebalance.plan() against the EPLB baseline; balance, moves "
                "and plan time on built-in clusters and workloads.")
@@ -104,7 +117,7 @@ def bench_cluster(name: str) -> workloads.Cluster:
     return EXTRA_CLUSTERS[name] if name in EXTRA_CLUSTERS else workloads.cluster(name)
 
 
-# -- methods ----------------------------------------------------------------------------------------
+# -- methods ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -190,7 +203,7 @@ def dropin_method(topology: Topology, num_experts: int, num_groups: int) -> Meth
     )
 
 
-# -- measuring --------------------------------------------------------------------------------------
+# -- measuring -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -328,8 +341,10 @@ def run_static(workload: str, name: str, skew: str, topology: Topology, loads_LE
         base_ms, fast_ms = statistics.median(times[1]), statistics.median(times[2])
         dropin = {
             "workload": workload, "scenario": name, "skew": skew, "baseline": methods[1].name,
-            "balancedness_eplb": Figures.of(loads_LE, placements[methods[1].name], topology).balancedness,
-            "balancedness_dropin": Figures.of(loads_LE, placements["rebalance_experts"], topology).balancedness,
+            "balancedness_eplb": Figures.of(loads_LE, placements[methods[1].name],
+                                            topology).balancedness,
+            "balancedness_dropin": Figures.of(loads_LE, placements["rebalance_experts"],
+                                              topology).balancedness,
             "eplb_duplicates": _duplicates(placements[methods[1].name]),
             "dropin_duplicates": _duplicates(placements["rebalance_experts"]),
             "eplb_ms": base_ms, "dropin_ms": fast_ms,
@@ -343,7 +358,8 @@ def run_drift(workload: str, name: str, skew: str, topology: Topology,
     """Re-plan along ``sequence`` (loads [L, E] per step; the first is the starting point).
 
     moebalance gets its last placement as ``previous``; "moebalance (fresh)" and the baseline
-    start from scratch each time (the fresh row is the balance a re-plan is compared with). Figures are averaged over the re-plans (steps 1..n); moves count each re-plan's copies.
+    start from scratch each time (the fresh row is the balance a re-plan is compared with). Figures
+    are averaged over the re-plans (steps 1..n); moves count each re-plan's copies.
     """
     E = sequence[0].shape[1]
     methods = [moebalance_method(topology), fresh_method(topology),
@@ -377,7 +393,7 @@ def run_drift(workload: str, name: str, skew: str, topology: Topology,
     return rows
 
 
-# -- reporting --------------------------------------------------------------------------------------
+# -- reporting -------------------------------------------------------------------------------------
 
 
 LEGEND = ("imbalance: sum over layers of the slowest device's time over the ideal time (1 is "
@@ -476,14 +492,15 @@ def plot(cases: Sequence[StaticCase], baseline_of: dict[str, str], path: Path) -
         ax.set_xlabel("device")
         ax.set_ylabel("load / speed (1 = ideal)")
         ax.set_title(f"{case.cluster}, {case.skew} skew, layer {layer} (median baseline "
-                     f"imbalance): max {before.max():.2f} {base_name}, {after.max():.2f} moebalance")
+                     f"imbalance): max {before.max():.2f} {base_name}, {after.max():.2f} "
+                     "moebalance")
         ax.legend(loc="upper right", fontsize=8, ncol=4)
     add_caption(fig, PLANNER_PLOT_CAPTION)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-# -- the run ----------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -507,7 +524,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift-steps", type=positive_int_arg, default=None,
                         help=f"re-plans per drift sequence (default {DEFAULT['drift_steps']}, "
                              f"--quick {QUICK['drift_steps']}, --full {FULL['drift_steps']})")
-    parser.add_argument("--seed", type=nonneg_int_arg, default=0, help="seed of the synthetic loads")
+    parser.add_argument("--seed", type=nonneg_int_arg, default=0,
+                        help="seed of the synthetic loads")
     parser.add_argument("--workload", choices=("synthetic", "trace", "all"), default="all",
                         help="synthetic loads, the shipped router trace, or both (default: all; "
                              "the trace is skipped with a note when none ships)")
@@ -519,7 +537,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "slots), fresh and as a re-plan, and the per-step imbalance after "
                              "the re-split on the following T steps against the window-mean plan")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
-                        help="folder for results.json, summary.md and plot.png (default: ./bench-out)")
+                        help="folder for results.json, summary.md and plot.png "
+                             "(default: ./bench-out)")
 
 
 def _set_one_thread() -> None:
@@ -814,15 +833,17 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
           f"- plan ms: median of {args.repeats} warm calls, one thread (EPLB calls over "
           f"{SLOW_CALL_S} s: one call); drift rows: mean over "
           f"{args.drift_steps} re-plans (moves per re-plan), median time", "",
-          format_markdown(COLUMNS, table_cells(rows)), "", LEGEND, "", legend_markdown(rows, dropins),
+          format_markdown(COLUMNS, table_cells(rows)), "", LEGEND, "",
+          legend_markdown(rows, dropins),
           "", *([f"plot.png: {PLANNER_PLOT_CAPTION}", ""] if shown else [])]
     if dropins:
-        md += ["## EPLB drop-in", "", "moebalance.rebalance_experts vs DeepSeek EPLB, same arguments.",
+        md += ["## EPLB drop-in", "",
+               "moebalance.rebalance_experts vs DeepSeek EPLB, same arguments.",
                "", format_markdown(DROPIN_COLUMNS, dropin_cells(dropins)), ""]
     if frontier:
         md += ["## Migration frontier", "", "Re-plans with previous= at a move budget per re-plan "
-               "(% of slots x layers); stale: the first placement left as it is; keep-old: no move, "
-               "shares re-split; fresh: a plan from "
+               "(% of slots x layers); stale: the first placement left as it is; keep-old: no "
+               "move, shares re-split; fresh: a plan from "
                "scratch each time. Bytes for a DeepSeek-V3 expert (88 MB of weights, 617 MB "
                "with an fp32 master copy and two Adam moments).", "",
                format_markdown(FRONTIER_COLUMNS, frontier_cells(frontier)), ""]

@@ -182,9 +182,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      f"{max(ours['max_abs_diff'], whole['max_abs_diff']):.1e}"])
     worst = max(r["max_abs_diff"] for mode in results.values() for r in mode)
     scale = max(r["max_abs_logit"] for mode in results.values() for r in mode)
-    notes = [f"peak resident memory above each rank's level after imports and a tiny warm-up "
-             f"load (ru_maxrss); held "
-             f"after = parameter bytes of the loaded model on that rank (dense + its slots)",
+    notes = ["peak resident memory above each rank's level after imports and a tiny warm-up "
+             "load (ru_maxrss); held "
+             "after = parameter bytes of the loaded model on that rank (dense + its slots)",
              f"largest ratio {max(ratios):.2f} (target <= {LIMIT:.2f}): "
              + ("met" if max(ratios) <= LIMIT else "NOT met"),
              f"logits against the plain model, both runs: max |diff| {worst:.1e} "

@@ -37,12 +37,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import workloads
 from ...backends import backend
 from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ...metrics import summary_imbalance
 from ...placement import Placement
 from ...planner import plan
+from .. import workloads
 from ..report import format_markdown, format_text, machine_info, phase
 
 DESCRIPTION = ("Per-step re-split benchmark: placement shares vs per-step re-split vs the per-step "
@@ -162,11 +162,15 @@ def kernel_rows(quick: bool, sweeps: int) -> list[KernelRow]:
     import torch
 
     from ...dispatch.routing import replica_table
-    from ...dispatch.shares import (RESPLIT_TORCH_SWEEPS, optimal_max_time, resplit_plan,
-                                   resplit_shares_torch)
+    from ...dispatch.shares import (
+        RESPLIT_TORCH_SWEEPS,
+        optimal_max_time,
+        resplit_plan,
+        resplit_shares_torch,
+    )
     from ...planner import _jit
-    from ..sim.traces import generate_trace
     from ...topology import Topology
+    from ..sim.traces import generate_trace
 
     c = KERNEL_CASE
     window, G, E = c["window"], c["devices"], c["experts"]

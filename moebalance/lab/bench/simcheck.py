@@ -61,10 +61,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
 from ..._check import positive_int
-from ..report import format_markdown, format_text, machine_info, markdown_header, phase
-from ..report import timed
+from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
+from ..report import format_markdown, format_text, machine_info, markdown_header, phase, timed
 
 PROG = "moebalance bench simcheck"  # the prefix of its progress lines
 
@@ -177,7 +176,8 @@ class TraceRouter(nn.Module):
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         if top_k > counts_TE.shape[1]:
             raise ValueError(f"top_k={top_k} exceeds the trace's {counts_TE.shape[1]} experts")
-        self.hidden_dim, self.num_experts, self.top_k = int(hidden_size), counts_TE.shape[1], int(top_k)
+        self.hidden_dim, self.num_experts, self.top_k = (int(hidden_size), counts_TE.shape[1],
+                                                         int(top_k))
         self.tokens = int(tokens)
         ids = [trace_topk_ids(counts_TE[t], tokens, top_k, world_size,
                               np.random.default_rng([seed, t]))[rank]
@@ -195,7 +195,8 @@ class TraceRouter(nn.Module):
             raise ValueError(f"TraceRouter routes {self.tokens} tokens per step, got "
                              f"{x_ND.shape[0]}")
         if not 0 <= self.step < self.topk_ids_TNK.shape[0]:
-            raise ValueError(f"step must be in [0, {self.topk_ids_TNK.shape[0]}), got {self.step!r}")
+            raise ValueError(f"step must be in [0, {self.topk_ids_TNK.shape[0]}), got "
+                             f"{self.step!r}")
         logits_NE = F.linear(x_ND, self.weight)
         probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
         ids_NK = self.topk_ids_TNK[self.step]
@@ -267,7 +268,8 @@ def calibration_cluster(figures: dict, cfg: dict) -> dict:
              "source": "the stack of ExpertParallelMoE layers moebalance bench simcheck trains "
                        "(fp32, AdamW)"}
     return {"name": f"simcheck-{cfg['ranks']}", "description": f"{cfg['ranks']} gloo ranks on "
-            f"{cfg['cores']} cores, {'each held to its share of the cores' if cfg['pace'] else 'free sharing'}",
+            f"{cfg['cores']} cores, "
+            f"{'each held to its share of the cores' if cfg['pace'] else 'free sharing'}",
             "kinds": {KIND: kind}, "nodes": [{"kind": KIND, "devices": cfg["ranks"]}],
             "model": model, "measured": figures}
 
@@ -280,7 +282,8 @@ def load_calibration(path: str | Path):
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     spec = data.get("model")
     names = {f.name for f in fields(ModelShape)}
-    if not isinstance(spec, dict) or not {"name", "hidden", "ffn", "tokens_per_device"} <= set(spec) \
+    if not isinstance(spec, dict) \
+            or not {"name", "hidden", "ffn", "tokens_per_device"} <= set(spec) \
             or set(spec) - names:
         raise ValueError(f"calibration file {str(path)!r} needs a 'model' table of ModelShape "
                          f"fields ({sorted(names)}); write one with moebalance bench simcheck "
@@ -349,6 +352,7 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
     import torch.distributed as dist
 
     import moebalance as mb
+
     from ...nn.moe import SlotExperts
     from ..sim.cluster import ClusterSpec
     from ..sim.stepmodel import StepModel
@@ -413,7 +417,8 @@ def _calibrate(rank: int, world: int, cfg: dict, share: CoreShare | None) -> dic
     loads = np.stack([np.bincount(placement.slot_device,
                                   pairs_LE[l, placement.phy2log[l]] * placement.share[l],
                                   minlength=world) for l in range(L)])[None]       # [1, L, G]
-    modelled = float(step_model.compute_seconds(loads).sum() + step_model.all_to_all_seconds(loads).sum())
+    modelled = float(step_model.compute_seconds(loads).sum()
+                     + step_model.all_to_all_seconds(loads).sum())
     rest_per_layer = max(seconds - modelled, 0.0) / L
     figures.update(non_moe_flops_per_token=rest_per_layer * flops / N,
                    gemm_seconds_per_rank=everyone, a2a_points=points,
@@ -455,6 +460,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     import torch.distributed as dist
 
     import moebalance as mb
+
     from ...migrate.transfer import Migrator
     from ..sim.cluster import ClusterSpec, ModelShape
     from ..workloads import trace_loads
@@ -479,7 +485,7 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     topology = cluster.topology(model)
     trainers = [_Trainer(rank, world, cfg, counts, s["start"], s["resplit"], share)
                 for s in schedules]
-    Migrator(None).transfer_group        # the migration connections, made once per job
+    Migrator(None).transfer_group()      # the migration connections, made once per job
     W, T, every = cfg["warmup"], counts.shape[0], cfg["every"]
     for trainer in trainers:
         for t in range(max(0, W - 2), W):
@@ -539,20 +545,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", metavar="FILE",
                         help="a calibration.json to use instead of measuring (its model shape "
                              "sets --hidden, --ffn, --tokens and --ranks)")
-    parser.add_argument("--ranks", type=positive_int_arg, default=None, help="gloo ranks (default 4)")
+    parser.add_argument("--ranks", type=positive_int_arg, default=None,
+                        help="gloo ranks (default 4)")
     parser.add_argument("--hidden", type=positive_int_arg, default=None,
                         help=f"model width D (default {FULL['hidden']}, quick {QUICK['hidden']})")
     parser.add_argument("--ffn", type=positive_int_arg, default=None,
                         help=f"expert hidden size F (default {FULL['ffn']}, quick {QUICK['ffn']})")
     parser.add_argument("--tokens", type=positive_int_arg, default=None,
-                        help=f"tokens per rank and step (default {FULL['tokens']}, quick {QUICK['tokens']})")
+                        help=f"tokens per rank and step (default {FULL['tokens']}, quick "
+                             f"{QUICK['tokens']})")
     parser.add_argument("--steps", type=positive_int_arg, default=None,
-                        help=f"measured steps per policy (default {FULL['steps']}, quick {QUICK['steps']})")
+                        help=f"measured steps per policy (default {FULL['steps']}, quick "
+                             f"{QUICK['steps']})")
     parser.add_argument("--warmup", type=positive_int_arg, default=None,
                         help=f"trace steps given to the policies as history before the first "
                              f"measured one (default {FULL['warmup']}, quick {QUICK['warmup']})")
     parser.add_argument("--every", type=positive_int_arg, default=None,
-                        help=f"steps between re-plans (default {FULL['every']}, quick {QUICK['every']})")
+                        help=f"steps between re-plans (default {FULL['every']}, quick "
+                             f"{QUICK['every']})")
     parser.add_argument("--free-sharing", action="store_true",
                         help="let a rank that computes alone take a whole core (the plain run; "
                              "the step model's devices are then not independent)")
@@ -574,7 +584,8 @@ def _config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     calibration = None
     if args.calibration is not None:
         if args.calibrate:
-            raise UsageError("--calibrate measures a new calibration; do not give --calibration too")
+            raise UsageError("--calibrate measures a new calibration; do not give "
+                             "--calibration too")
         try:
             cluster, model, calibration = load_calibration(args.calibration)
         except ValueError as exc:
@@ -599,7 +610,8 @@ def _config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     slots = -(-E * 5 // (4 * cfg["ranks"]))        # the cluster's slots: ceil(E * 1.25 / G)
     if cfg["ranks"] < 2 or cfg["tokens"] * cfg["top_k"] < slots:
         raise UsageError(f"--ranks must be >= 2 and --tokens x {cfg['top_k']} at least the "
-                         f"{slots} slots per rank, got --ranks {cfg['ranks']} --tokens {cfg['tokens']}")
+                         f"{slots} slots per rank, got --ranks {cfg['ranks']} --tokens "
+                         f"{cfg['tokens']}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cfg.update(slots=slots, cores=int(cores), share=min(1.0, cores / cfg["ranks"]))
     return cfg, calibration
@@ -611,7 +623,8 @@ COLUMNS = ["policy", "measured ms", "modelled ms", "modelled / measured", "imbal
 
 def _imbalance(rows_TLG: np.ndarray) -> np.ndarray:
     """[T] the step model's imbalance of measured rows: sum_l max_g / sum_l mean_g."""
-    return rows_TLG.max(axis=-1).sum(axis=-1) / np.maximum(rows_TLG.mean(axis=-1).sum(axis=-1), 1e-300)
+    return (rows_TLG.max(axis=-1).sum(axis=-1)
+            / np.maximum(rows_TLG.mean(axis=-1).sum(axis=-1), 1e-300))
 
 
 def _ranking(values: Sequence[float]) -> list[int]:
@@ -626,13 +639,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from ..sim.run import simulate
     from ..workloads import trace_loads
 
-    print(f"moebalance simcheck: {cfg['ranks']} gloo ranks on {cfg['cores']} cores "
-          f"({'each held to ' + format(cfg['share'], '.2f') + ' of a core' if cfg['pace'] else 'free sharing'}), "
-          f"{cfg['layers']} MoE layers x {cfg['experts']} experts top-{cfg['top_k']}, D={cfg['hidden']} "
-          f"F={cfg['ffn']}, {cfg['tokens']} tokens per rank; {TRACE} trace, "
-          + (f"steps {cfg['warmup']}..{cfg['warmup'] + cfg['steps'] - 1}, re-plan every {cfg['every']}"
+    sharing = f"each held to {cfg['share']:.2f} of a core" if cfg["pace"] else "free sharing"
+    print(f"moebalance simcheck: {cfg['ranks']} gloo ranks on {cfg['cores']} cores ({sharing}), "
+          f"{cfg['layers']} MoE layers x {cfg['experts']} experts top-{cfg['top_k']}, "
+          f"D={cfg['hidden']} F={cfg['ffn']}, {cfg['tokens']} tokens per rank; {TRACE} trace, "
+          + (f"steps {cfg['warmup']}..{cfg['warmup'] + cfg['steps'] - 1}, re-plan every "
+             f"{cfg['every']}"
              if cfg["measure"] else "calibration only")
-          + (f"; calibration from {args.calibration}" if calibration is not None else ""), flush=True)
+          + (f"; calibration from {args.calibration}" if calibration is not None else ""),
+          flush=True)
     started = time.perf_counter()
     cfg["t0"] = time.time()
     phase(PROG, f"spawning {cfg['ranks']} gloo ranks", cfg["t0"])
@@ -642,12 +657,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
     elapsed = time.perf_counter() - started
     calibration = result["calibration"]
-    (out / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n", encoding="utf-8")
+    (out / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n",
+                                          encoding="utf-8")
     m = calibration["measured"]
     figures = [f"expert GEMM {m['flops'] / 1e9:.2f} GFLOP/s per rank",
                f"all-to-all {m['bandwidth'] / 1e9:.3f} GB/s + {m['latency'] * 1e6:.0f} us",
                f"rest {m['non_moe_flops_per_token'] / 1e6:.2f} MFLOP per token and layer"
-               + (f" ({m['rest_per_layer_s'] * 1e3:.2f} ms per layer)" if "rest_per_layer_s" in m else "")]
+               + (f" ({m['rest_per_layer_s'] * 1e3:.2f} ms per layer)" if "rest_per_layer_s" in m
+                  else "")]
     print("calibration: " + "; ".join(figures))
     if not cfg["measure"]:
         print(f"\nwrote {out / 'calibration.json'} ({elapsed:.1f} s)")
@@ -666,7 +683,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         s = modelled[p["name"]]
         model_moves = [r["seconds"] for r in runs[p["name"]].replans]
         if p["migrations"] and p["name"].startswith("EPLB"):
-            moves.append(f"{p['name']}: blocking migration {np.mean([x['seconds'] for x in p['migrations']]) * 1e3:.0f} ms "
+            moves.append(f"{p['name']}: blocking migration "
+                         f"{np.mean([x['seconds'] for x in p['migrations']]) * 1e3:.0f} ms "
                          f"measured, {np.mean(model_moves) * 1e3:.0f} ms modelled per re-plan "
                          f"({np.mean([x['bytes_total'] for x in p['migrations']]) / 1e6:.0f} MB)")
         measured = float(np.mean(p["step_s"]))
@@ -713,10 +731,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f"- {cfg['ranks']} gloo ranks on {cfg['cores']} cores, one torch thread each, "
         + (f"each held to {cfg['share']:.2f} of a core in its expert GEMMs" if cfg["pace"]
            else "free sharing of the cores"),
-        f"- {cfg['layers']} ExpertParallelMoE layers x {cfg['experts']} experts, top-{cfg['top_k']}, "
-        f"D={cfg['hidden']}, F={cfg['ffn']}, {cfg['tokens']} tokens per rank, fp32, AdamW, "
-        f"all_to_all exchange; routing replays the {TRACE} trace, steps {W}..{T - 1} measured "
-        f"(0..{W - 1} history), re-plan every {cfg['every']} steps",
+        f"- {cfg['layers']} ExpertParallelMoE layers x {cfg['experts']} experts, "
+        f"top-{cfg['top_k']}, D={cfg['hidden']}, F={cfg['ffn']}, {cfg['tokens']} tokens per rank, "
+        f"fp32, AdamW, all_to_all exchange; routing replays the {TRACE} trace, steps {W}..{T - 1} "
+        f"measured (0..{W - 1} history), re-plan every {cfg['every']} steps",
         "- calibration: " + "; ".join(figures), "",
         format_markdown(COLUMNS, rows), "", *[f"- {v}" for v in verdict], "",
         "Measured: mean over the steps of the slowest rank's step, ranks aligned by an untimed "

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the straggler's speed as a fraction of the others' (default 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument("--out", default=os.path.join("bench-out", "straggler"), metavar="DIR",
-                        help="folder for results.json and summary.md (default ./bench-out/straggler)")
+                        help="folder for results.json and summary.md "
+                             "(default ./bench-out/straggler)")
 
 
 # -- on every rank --------------------------------------------------------------------------------
@@ -110,8 +111,9 @@ def straggler_run(cfg: dict, track: bool) -> dict:
     import torch.distributed as dist
 
     import moebalance as mb
-    from .simcheck import CoreShare
+
     from ..report import timed
+    from .simcheck import CoreShare
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = cfg.get("share")
@@ -176,6 +178,7 @@ def measure_run(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import moebalance as mb
+
     from .simcheck import CoreShare
 
     rank, world = dist.get_rank(), dist.get_world_size()

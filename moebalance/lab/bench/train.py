@@ -35,8 +35,16 @@ from typing import Sequence
 import numpy as np
 
 from ...cli.args import UsageError, positive_int_arg, run_subcommand, writable_dir
-from ..report import (format_markdown, format_text, machine_info, markdown_header, part_of, phase,
-                      slowest, timed)
+from ..report import (
+    format_markdown,
+    format_text,
+    machine_info,
+    markdown_header,
+    part_of,
+    phase,
+    slowest,
+    timed,
+)
 
 PROG = "moebalance bench train"  # the prefix of its progress lines
 
@@ -47,14 +55,19 @@ QUICK = dict(warmup=2, base_steps=4, trials=2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="fewer steps and trials (about a minute)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps and trials (about a minute)")
     parser.add_argument("--ranks", type=positive_int_arg, default=4, help="gloo ranks (default 4)")
-    parser.add_argument("--hidden", type=positive_int_arg, default=128, help="model width D (default 128)")
-    parser.add_argument("--ffn", type=positive_int_arg, default=256, help="expert hidden size F (default 256)")
+    parser.add_argument("--hidden", type=positive_int_arg, default=128,
+                        help="model width D (default 128)")
+    parser.add_argument("--ffn", type=positive_int_arg, default=256,
+                        help="expert hidden size F (default 256)")
     parser.add_argument("--slots", type=positive_int_arg, default=5,
                         help="expert slots per rank and layer (default 5; 16 experts per layer)")
-    parser.add_argument("--seq", type=positive_int_arg, default=64, help="sequence length (default 64)")
-    parser.add_argument("--batch", type=positive_int_arg, default=8, help="sequences per rank (default 8)")
+    parser.add_argument("--seq", type=positive_int_arg, default=64,
+                        help="sequence length (default 64)")
+    parser.add_argument("--batch", type=positive_int_arg, default=8,
+                        help="sequences per rank (default 8)")
     parser.add_argument("--move-fraction", type=float, default=0.05,
                         help="share of all slots each migration moves (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
@@ -93,9 +106,9 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     import torch.distributed as dist
 
     import moebalance as mb
-    from moebalance.migrate.transfer import Migrator
     from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
     from moebalance.lab.workloads import trace_loads
+    from moebalance.migrate.transfer import Migrator
 
     speeds = [1.0 if g < (world + 1) // 2 else 0.5 for g in range(world)]
     topology = mb.Topology.from_arrays(speed=speeds, slots=[cfg["slots"]] * world)
@@ -124,7 +137,7 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
         phase(PROG, f"{cfg['trials']} live migrations, each after {cfg['base_steps']} steps "
                     f"without one", cfg["t0"])
     # The migration connections are made once per job (the Rebalancer makes them when built).
-    Migrator(None).transfer_group
+    Migrator(None).transfer_group()
     rng = np.random.default_rng(cfg["seed"] + 7)
     base, migrating, starts, in_flight, reports = [], [], [], [], []
     for _ in range(cfg["trials"]):
@@ -158,7 +171,8 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
     # Replica gradient traffic on the trace-planned placement (ranks hold unlike replica counts).
     mb.apply_placement(model, placement, optimizer, blocking=True)
     layer = model.blocks[0].moe
-    row_bytes = sum(p[0].numel() * p.element_size() for p in (layer.experts.gate_up, layer.experts.down))
+    row_bytes = sum(p[0].numel() * p.element_size()
+                    for p in (layer.experts.gate_up, layer.experts.down))
     holders = [sum(block.moe.replica_sync_bytes() for block in model.blocks)]
     everyone = [None] * world
     dist.all_gather_object(everyone, holders[0])
@@ -166,7 +180,8 @@ def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
                          for layer_i in range(placement.num_layers)))
     dense = 2 * (world - 1) / world * replicated * row_bytes
     replicas_held = [int(sum(np.count_nonzero(placement.replicas[l][
-        placement.phy2log[l, placement.slot_device == g]] > 1) for l in range(placement.num_layers)))
+        placement.phy2log[l, placement.slot_device == g]] > 1)
+        for l in range(placement.num_layers)))
         for g in range(world)]
     if rank == 0:
         result = {"base_s": base, "migrating_s": migrating, "start_s": starts,
@@ -183,8 +198,8 @@ def sync_bytes_at_scale(row_bytes: int = 3 * 7168 * 2048 * 2) -> dict:
     not timed): 58 layers x 256 experts planned onto 320 slots of 64 devices for the built-in
     moderate workload; one expert row is 3 x 7168 x 2048 bf16 elements."""
     import moebalance as mb
-    from moebalance.nn.grad_sync import HolderExchange
     from moebalance.lab.workloads import synthetic_loads
+    from moebalance.nn.grad_sync import HolderExchange
 
     topology = mb.Topology.uniform(num_devices=64, slots_per_device=5, devices_per_node=8)
     placement = mb.plan(synthetic_loads("moderate", seed=0), topology)
@@ -241,11 +256,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ["  ratio to the median step (median / max)",
          f"{statistics.median(mig) / median:.3f}x / {max(mig) / median:.3f}x", "<= 1.05x"],
         ["  exposed time (ms, median)", f"{(statistics.median(mig) - median) * 1e3:.1f}", ""],
-        ["  start cost at the boundary (ms, median)", f"{statistics.median(result['start_s']) * 1e3:.1f}", ""],
+        ["  start cost at the boundary (ms, median)",
+         f"{statistics.median(result['start_s']) * 1e3:.1f}", ""],
         ["  steps until every layer committed", ",".join(map(str, result["steps_in_flight"])), ""],
         ["moves per re-plan (of all slots)",
          part_of(statistics.median(moves), result["slots_total"]), ">= 5%"],
-        ["bytes moved per re-plan (MB, weights + Adam moments)", f"{statistics.median(mbytes):.2f}", ""],
+        ["bytes moved per re-plan (MB, weights + Adam moments)",
+         f"{statistics.median(mbytes):.2f}", ""],
         ["migration time per MB, blocking (ms/MB)", f"{statistics.median(per_mb) * 1e3:.2f}", ""],
         ["replica grad sync, bytes sent per rank per step (KB)",
          " / ".join(f"{b / 1e3:.0f}" for b in sync), ""],
@@ -256,8 +273,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     scale = sync_bytes_at_scale()
     rows.append(["replica grad sync at DeepSeek-V3 size (GB per rank per step, bf16; max / median)",
                  f"{scale['holder_max'] / 1e9:.2f} / {scale['holder_median'] / 1e9:.2f}", ""])
-    rows.append([f"  dense all-reduce of all {scale['replicated_experts']} replicated experts (GB per rank)",
-                 f"{scale['dense'] / 1e9:.1f}", ""])
+    rows.append([f"  dense all-reduce of all {scale['replicated_experts']} replicated experts "
+                 "(GB per rank)", f"{scale['dense'] / 1e9:.1f}", ""])
     result["at_scale"] = scale
     info = machine_info(argv)
     table = format_text(COLUMNS, rows)
@@ -266,12 +283,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "result": result},
                                                  indent=2) + "\n", encoding="utf-8")
     md = markdown_header("moebalance train benchmark", info) + [
-          f"- {args.ranks} gloo ranks (speeds {result['speeds']}), one thread each; 4 MoE layers x 16 "
-          f"experts, D={args.hidden}, F={args.ffn}, {args.slots} slots per rank; AdamW", "",
+          f"- {args.ranks} gloo ranks (speeds {result['speeds']}), one thread each; 4 MoE layers x "
+          f"16 experts, D={args.hidden}, F={args.ffn}, {args.slots} slots per rank; AdamW", "",
           format_markdown(COLUMNS, rows), "",
-          "Step times are the slowest rank's, ranks aligned by an untimed barrier before each step. "
-          "A migrating step runs from the non-blocking apply_placement at the boundary to the end "
-          "of the step in which the last layer committed."]
+          "Step times are the slowest rank's, ranks aligned by an untimed barrier before each "
+          "step. A migrating step runs from the non-blocking apply_placement at the boundary to "
+          "the end of the step in which the last layer committed."]
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
     return 0

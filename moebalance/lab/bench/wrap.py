@@ -41,9 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--ranks", type=positive_int_arg, default=4, help="gloo ranks (default 4)")
     parser.add_argument("--family", default="qwen3_moe", help="model family (default qwen3_moe)")
-    parser.add_argument("--hidden", type=positive_int_arg, default=128, help="hidden size (default 128)")
-    parser.add_argument("--seq", type=positive_int_arg, default=128, help="sequence length (default 128)")
-    parser.add_argument("--batch", type=positive_int_arg, default=4, help="sequences per rank (default 4)")
+    parser.add_argument("--hidden", type=positive_int_arg, default=128,
+                        help="hidden size (default 128)")
+    parser.add_argument("--seq", type=positive_int_arg, default=128,
+                        help="sequence length (default 128)")
+    parser.add_argument("--batch", type=positive_int_arg, default=4,
+                        help="sequences per rank (default 4)")
     parser.add_argument("--out", default=os.path.join("bench-out", "wrap"), metavar="DIR",
                         help="folder for results.json and summary.md (default ./bench-out/wrap)")
 
@@ -213,8 +216,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     hf = result["hf_ep"]
     if hf["ran"]:
         t = statistics.median(hf["times"])
-        rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", f"{t * 1e3:.1f}", f"{tokens / t:.0f}",
-                     f"{base / t:.2f}x"])
+        rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", f"{t * 1e3:.1f}",
+                     f"{tokens / t:.0f}", f"{base / t:.2f}x"])
     else:
         rows.append([f"transformers fsdp_size=ep_size={args.ranks}, gloo", "did not run", "", ""])
     glue = result["glue_share"]
@@ -228,9 +231,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(format_text(COLUMNS, rows))
     for line in notes:
         print(f"note: {line}")
-    (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg, "single_s": single,
-                                                  "result": result}, indent=2) + "\n", encoding="utf-8")
-    md = markdown_header("moebalance wrap benchmark", info) + ["", format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes]
+    (out / "results.json").write_text(json.dumps({"machine": info, "config": cfg,
+                                                  "single_s": single, "result": result},
+                                                 indent=2) + "\n", encoding="utf-8")
+    md = (markdown_header("moebalance wrap benchmark", info)
+          + ["", format_markdown(COLUMNS, rows), ""] + [f"- {line}" for line in notes])
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'results.json'}, {out / 'summary.md'} ({elapsed:.1f} s)")
     return 0

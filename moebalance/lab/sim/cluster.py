@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...topology import Device, Topology
 from ..._check import integer, positive_int
+from ...topology import Device, Topology
 
 __all__ = ["GPUKind", "GPU_KINDS", "ModelShape", "MODELS", "ClusterSpec", "CLUSTER_PRESETS",
            "cluster_preset", "load_cluster", "load_model"]
@@ -79,7 +79,8 @@ class GPUKind:
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0 or (value == 0 and "latency" not in f.name):
+                    or not math.isfinite(value) or value < 0 \
+                    or (value == 0 and "latency" not in f.name):
                 raise ValueError(f"GPUKind {self.name!r}: {f.name} must be a finite number > 0 "
                                  f"(>= 0 for latencies), got {value!r}")
         if self.gemm_efficiency > 1:
@@ -97,13 +98,15 @@ GPU_KINDS: dict[str, GPUKind] = {k.name: k for k in (
     GPUKind("H100", flops=989e12, memory=80 * GB, intra_bandwidth=450 * GB, inter_bandwidth=50 * GB,
             source="NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s "
                    f"(450 per direction); {_NDR}"),
-    GPUKind("H200", flops=989e12, memory=141 * GB, intra_bandwidth=450 * GB, inter_bandwidth=50 * GB,
-            source="NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 141 GB HBM3e, NVLink 900 GB/s "
-                   f"(450 per direction); {_NDR}"),
+    GPUKind("H200", flops=989e12, memory=141 * GB, intra_bandwidth=450 * GB,
+            inter_bandwidth=50 * GB,
+            source="NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 141 GB HBM3e, NVLink 900 "
+                   f"GB/s (450 per direction); {_NDR}"),
     GPUKind("A100", flops=312e12, memory=80 * GB, intra_bandwidth=300 * GB, inter_bandwidth=25 * GB,
             source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS dense BF16, 80 GB HBM2e, NVLink "
                    "600 GB/s (300 per direction); 200 Gb/s HDR InfiniBand per GPU (DGX A100)"),
-    GPUKind("L40S", flops=362e12, memory=48 * GB, intra_bandwidth=32 * GB, inter_bandwidth=12.5 * GB,
+    GPUKind("L40S", flops=362e12, memory=48 * GB, intra_bandwidth=32 * GB,
+            inter_bandwidth=12.5 * GB,
             inter_latency=40e-6,
             source="NVIDIA L40S datasheet: 362 TFLOPS dense BF16 (733 with sparsity), 48 GB GDDR6, "
                    "no NVLink: PCIe Gen4 x16, 32 GB/s per direction; 100 Gb/s Ethernet per GPU "
@@ -278,7 +281,8 @@ class ClusterSpec:
 
     def kind_array(self, attribute: str) -> np.ndarray:
         """[G] float64: ``attribute`` of every device's kind (e.g. "expert_flops")."""
-        return np.array([getattr(self.catalogue[k], attribute) for k in self.kinds], dtype=np.float64)
+        return np.array([getattr(self.catalogue[k], attribute) for k in self.kinds],
+                        dtype=np.float64)
 
     def slots(self, model: ModelShape) -> np.ndarray:
         """[G] int64 expert slots per layer on every device.
@@ -322,7 +326,8 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "cluster") -> "ClusterSpec":
-        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) \
+                or not data["nodes"]:
             raise ValueError(f"cluster {name!r}: needs a non-empty list 'nodes' of "
                              f"{{'kind': ..., 'devices': N}} entries")
         catalogue = dict(GPU_KINDS)
@@ -340,7 +345,8 @@ class ClusterSpec:
                 catalogue[kind_name] = GPUKind(**{**base, **spec, "name": kind_name})
             except TypeError as err:
                 raise ValueError(f"cluster {name!r}: kinds.{kind_name} is incomplete ({err}); "
-                                 f"give flops, memory, intra_bandwidth and inter_bandwidth") from None
+                                 "give flops, memory, intra_bandwidth "
+                                 "and inter_bandwidth") from None
         kinds, nodes = [], []
         for n, entry in enumerate(data["nodes"]):
             count = entry.get("devices") if isinstance(entry, dict) else None
@@ -385,7 +391,8 @@ def _speed_change(change, num_devices: int, where: str) -> tuple[int, int, float
     return int(step), int(device), float(factor)
 
 
-def _build(name: str, description: str, layout: list[tuple[str, int]], per_node: int = 8) -> ClusterSpec:
+def _build(name: str, description: str, layout: list[tuple[str, int]],
+           per_node: int = 8) -> ClusterSpec:
     """A cluster of nodes of ``per_node`` devices: ``layout`` = [(kind, devices), ...]."""
     kinds = [k for kind, count in layout for k in [kind] * count]
     return ClusterSpec(name=name, description=description, kinds=tuple(kinds),
@@ -463,4 +470,5 @@ def load_model(spec: str | Path) -> ModelShape:
         return ModelShape(**merged)
     except TypeError as err:
         raise ValueError(f"model file {str(path)!r} is incomplete ({err}); give num_layers, "
-                         f"num_experts, top_k, hidden, ffn and tokens_per_device, or a base") from None
+                         "num_experts, top_k, hidden, ffn and tokens_per_device, or "
+                         "a base") from None

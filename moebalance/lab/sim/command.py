@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...cli.args import UsageError, positive_int_arg, run_guarded, nonneg_int_arg, writable_dir
+from ...cli.args import UsageError, nonneg_int_arg, positive_int_arg, run_guarded, writable_dir
 from .cluster import CLUSTER_PRESETS, MODELS, ClusterSpec, cluster_preset, load_cluster, load_model
 
 DESCRIPTION = ("Replay a router trace on described clusters and model each balancing policy's "
@@ -352,8 +352,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``moebalance simulate`` as a function; ``argv`` excludes the program name."""
-    from ...cli.args import ArgumentParser
     import sys
+
+    from ...cli.args import ArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = ArgumentParser(prog="moebalance simulate", description=DESCRIPTION)

@@ -104,7 +104,8 @@ class _Periodic(Policy):
     def __init__(self, every: int, window: int | None = None) -> None:
         super().__init__()
         if isinstance(every, bool) or int(every) != every or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps between re-plans), got {every!r}")
+            raise ValueError("every must be an integer >= 1 (steps between re-plans), got "
+                             f"{every!r}")
         window = every if window is None else window
         if isinstance(window, bool) or int(window) != window or window < 1:
             raise ValueError(f"window must be an integer >= 1 (steps averaged), got {window!r}")

@@ -54,7 +54,8 @@ EXCHANGES = 4
 class StepModel:
     """Modelled step terms of ``model`` on ``cluster`` (see the module docstring)."""
 
-    def __init__(self, cluster: ClusterSpec, model: ModelShape, topology: Topology | None = None) -> None:
+    def __init__(self, cluster: ClusterSpec, model: ModelShape,
+                 topology: Topology | None = None) -> None:
         self.cluster, self.model = cluster, model
         self.topology = topology or cluster.topology(model)
         G = cluster.num_devices

@@ -24,9 +24,10 @@ balanced large model). The step-to-step part is fitted on the recorded runs' bat
 sequences a step) and scaled to the generated run's batch (``sequences``; the simulator passes
 the cluster's tokens per step over the model's sequence length): an expert's share in a step
 averages its sequences, so the part one batch's contents add shrinks as ``1 / sqrt(sequences)``
-(the multinomial draw adds the sampling part at the generated token count). Per-rank differences are not generated: the recorded traces count the
-whole group's tokens per step, and with the per-step re-split every replica gets its share of
-the global tokens whatever each rank sends (only the send side of the all-to-all would change).
+(the multinomial draw adds the sampling part at the generated token count). Per-rank differences are
+not generated: the recorded traces count the whole group's tokens per step, and with the per-step
+re-split every replica gets its share of the global tokens whatever each rank sends (only the send
+side of the all-to-all would change).
 
 Legend: T steps, L layers, E experts.
 """
@@ -39,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 from ..._check import positive_int
-
 from ..workloads import cap_shares, synthetic_loads, trace_loads, trace_names
 
 __all__ = ["Dynamics", "fit_dynamics", "default_dynamics", "generate_trace", "read_trace"]
@@ -227,6 +227,7 @@ def read_trace(source: str) -> tuple[np.ndarray, str]:
     if counts.ndim != 3 or min(counts.shape) < 1:
         raise ValueError(f"trace {source!r}: counts must be [steps, layers, experts], got shape "
                          f"{counts.shape}")
-    if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all() or (counts < 0).any():
+    if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all() \
+            or (counts < 0).any():
         raise ValueError(f"trace {source!r}: counts must be finite numbers >= 0")
     return counts.astype(np.float64), f"file {path.name}"
