@@ -20,8 +20,9 @@ LP optimum of :func:`moebalance.dispatch.shares.optimal_max_time`), moving no we
    the time t with augmenting paths (Dinic's phases), starting from a lower bound
    (:func:`resplit_bound`) that is tight at the sweeps' fixed point.
 
-The kernels are registered with :func:`moebalance.planner._jit.kernel`: run as they are they are
-the reference; ``_jit.kernels("numba")`` gives their Numba copies (tests compare both). Entry points:
+The kernels are registered with :func:`moebalance.planner._jit.kernel`: run as they are they
+are the reference; ``_jit.kernels("numba")`` gives their Numba copies (tests compare both).
+Entry points:
 
 - :func:`resplit_layer`: one layer, one step, in place on the [E, X] table (the dispatcher's).
 - :func:`resplit_loads`: [T, G] device loads of one layer at every step of ``counts_TE`` from a

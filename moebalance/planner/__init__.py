@@ -19,9 +19,9 @@ import numpy as np
 from .._check import as_loads, to_numpy
 from ..placement import Placement
 from ..topology import Topology, planning_loads
-from . import _jit, fresh, repair, steps
-# the other kernel modules, so that every kernel is registered before any compile
-from . import chain, counts, eplb, improve, packing, shares  # noqa: F401
+
+# every kernel module, so that every kernel is registered before any compile
+from . import _jit, chain, counts, eplb, fresh, improve, packing, repair, shares, steps  # noqa: F401
 from .core import MAX_SWEEPS, devices_of
 from .eplb import rebalance_experts
 

@@ -46,10 +46,12 @@ class TopologyReplan:
 def _check_map(device_map, old: Placement, new_topology: Topology) -> np.ndarray:
     m = np.asarray(device_map)
     if m.shape != (old.num_devices,) or not np.issubdtype(m.dtype, np.integer):
-        raise ValueError(f"device_map must give, for each of the {old.num_devices} old devices, its "
-                         f"new device id or -1 if it was lost; got {np.asarray(device_map).tolist()!r}")
+        raise ValueError(f"device_map must give, for each of the {old.num_devices} old devices, "
+                         f"its new device id or -1 if it was lost; got "
+                         f"{np.asarray(device_map).tolist()!r}")
     alive = m[m >= 0]
-    if alive.size and (alive.max() >= new_topology.num_devices or np.unique(alive).size != alive.size):
+    if alive.size and (alive.max() >= new_topology.num_devices
+                       or np.unique(alive).size != alive.size):
         raise ValueError(f"device_map must map old devices to distinct new devices in "
                          f"[0, {new_topology.num_devices}) (or -1), got {m.tolist()}")
     return m.astype(np.int64)
@@ -146,7 +148,8 @@ def replan_onto(loads, new_topology: Topology, previous: Placement, device_map, 
     if not isinstance(previous, Placement):
         raise TypeError(f"previous must be a moebalance.Placement, got {type(previous).__name__}")
     if not isinstance(new_topology, Topology):
-        raise TypeError(f"new_topology must be a moebalance.Topology, got {type(new_topology).__name__}")
+        raise TypeError(f"new_topology must be a moebalance.Topology, got "
+                        f"{type(new_topology).__name__}")
     carried, restores, kept = carry_over(previous, new_topology, device_map, loads)
     new = plan(loads, new_topology, previous=carried, max_moves=max_moves, **plan_options)
     m = _check_map(device_map, previous, new_topology)
