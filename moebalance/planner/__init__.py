@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._check import as_loads, to_numpy
+from .._check import as_loads, integer, to_numpy
 from ..placement import Placement
 from ..topology import Topology, planning_loads
 
@@ -152,8 +152,7 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             )
         previous.validate(topology)
     if max_moves is not None:
-        if isinstance(max_moves, bool) or int(max_moves) != max_moves or max_moves < 0:
-            raise ValueError(f"max_moves must be an integer >= 0 or None, got {max_moves!r}")
+        max_moves = integer(max_moves, "max_moves", 0)
         if previous is None:
             raise ValueError("max_moves bounds moves away from a previous placement: pass "
                              "previous=, or drop max_moves for a first placement")
@@ -168,8 +167,7 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
         counts_TLE = _spread(spread, w.shape)
     if not (0 <= float(tolerance) < 1):
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
-    if isinstance(polish, bool) or int(polish) != polish or polish < 0:
-        raise ValueError(f"polish must be an integer >= 0, got {polish!r}")
+    polish = integer(polish, "polish", 0)
     if backend is not None and backend not in ("numba", "numpy"):
         raise ValueError(f"backend must be 'numba', 'numpy' or None, got {backend!r}")
 

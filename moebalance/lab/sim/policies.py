@@ -40,6 +40,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from ..._check import integer, positive_int
 from ...placement import Placement
 from ...planner import MoveCost, plan
 from ...topology import Device, Topology
@@ -103,13 +104,9 @@ class StaticUniform(Policy):
 class _Periodic(Policy):
     def __init__(self, every: int, window: int | None = None) -> None:
         super().__init__()
-        if isinstance(every, bool) or int(every) != every or every < 1:
-            raise ValueError("every must be an integer >= 1 (steps between re-plans), got "
-                             f"{every!r}")
-        window = every if window is None else window
-        if isinstance(window, bool) or int(window) != window or window < 1:
-            raise ValueError(f"window must be an integer >= 1 (steps averaged), got {window!r}")
-        self.every, self.window = int(every), int(window)
+        self.every = positive_int(every, "every (steps between re-plans)")
+        self.window = positive_int(self.every if window is None else window,
+                                   "window (steps averaged)")
 
     def _recent(self, history_TLE: np.ndarray) -> np.ndarray:
         return history_TLE[-self.window:]
@@ -157,9 +154,8 @@ class MoebalancePeriodic(_Periodic):
         from ...speeds import SpeedTracker
 
         super().__init__(every, window)
-        if max_moves is not None and (isinstance(max_moves, bool) or int(max_moves) != max_moves
-                                      or max_moves < 0):
-            raise ValueError(f"max_moves must be an integer >= 0 or None, got {max_moves!r}")
+        if max_moves is not None:
+            max_moves = integer(max_moves, "max_moves", 0)
         if speeds is not None and not isinstance(speeds, SpeedTracker):
             raise TypeError(f"speeds must be a moebalance.SpeedTracker (its every, smoothing, "
                             f"min_change and window are used) or None, got "
