@@ -20,24 +20,20 @@ M rows of a gathered source, C chunks of the counting sort.
 from __future__ import annotations
 
 import functools
-import importlib.resources
-import threading
 
 import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
 from . import checks
+from .cuda_source import COMPILE_OPTIONS, SOURCE_PACKAGE, CudaSource
 from .kernel_signatures import Param, kernel_signatures
 from .reference import compute_dtype
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad", "source",
-           "signatures", "KERNEL_NAMES"]
+           "signatures", "KERNEL_NAMES", "SOURCE_FILE", "SOURCE_PACKAGE", "COMPILE_OPTIONS"]
 
-SOURCE_PACKAGE = "moebalance._csrc"
 SOURCE_FILE = "dispatch.cu"
-# --fmad=false: w * y + acc must round twice, as the reference does.
-COMPILE_OPTIONS = ("--std=c++17", "--fmad=false")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 KERNEL_NAMES = (
     "route_pairs", "slot_chunk_histogram", "slot_chunk_scatter",
@@ -52,15 +48,13 @@ _WARPS_PER_BLOCK = _BLOCK // 32
 _MAX_HIST_ENTRIES = 1 << 22
 _MIN_SORT_CHUNK = 256
 
-_modules: dict[int, object] = {}
-_kernels: dict[tuple[int, str], object] = {}
+_SOURCE = CudaSource(SOURCE_FILE, probe=KERNEL_NAMES[0])
 _streams: dict[tuple[int, int], object] = {}
-_lock = threading.Lock()
 
 
 def source() -> str:
     """The CUDA C++ source of the dispatch kernels, as shipped with the package."""
-    return importlib.resources.files(SOURCE_PACKAGE).joinpath(SOURCE_FILE).read_text()
+    return _SOURCE.text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,31 +81,6 @@ def _on_cuda(**tensors: torch.Tensor | None) -> torch.device:
                              f"(move it with .cuda() or use the numba/torch backend)")
         device = device or t.device
     return device
-
-
-def _module(device_index: int):
-    """The compiled RawModule for one device (compiled once, at first use)."""
-    with _lock:
-        mod = _modules.get(device_index)
-        if mod is None:
-            import cupy
-
-            with cupy.cuda.Device(device_index):
-                mod = cupy.RawModule(code=source(), options=COMPILE_OPTIONS)
-                try:
-                    mod.get_function(KERNEL_NAMES[0])  # compiles now, so errors surface here
-                except cupy.cuda.compiler.CompileException as exc:
-                    raise RuntimeError(f"compiling {SOURCE_FILE} failed:\n{exc}") from exc
-            _modules[device_index] = mod
-        return mod
-
-
-def _kernel(device_index: int, name: str):
-    """The kernel ``name`` of one device's module (looked up once)."""
-    kernel = _kernels.get((device_index, name))
-    if kernel is None:
-        kernel = _kernels[device_index, name] = _module(device_index).get_function(name)
-    return kernel
 
 
 def _stream(device_index: int, handle: int):
@@ -148,7 +117,7 @@ def _launch(device: torch.device, name: str, grid: int, args: tuple) -> None:
     import cupy
 
     index = _index(device)
-    kernel = _kernel(index, name)
+    kernel = _SOURCE.function(index, name)
     with cupy.cuda.Device(index), _stream(index, torch.cuda.current_stream(index).cuda_stream):
         kernel((max(1, grid),), (_BLOCK,), tuple(packed))
 

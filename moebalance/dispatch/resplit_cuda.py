@@ -13,51 +13,28 @@ Legend: E experts, X most replicas of an expert, G devices, C colour classes.
 
 from __future__ import annotations
 
-import importlib.resources
-import threading
-
 import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
+from .cuda_source import COMPILE_OPTIONS, CudaSource
 from .kernel_signatures import kernel_signatures
 
 __all__ = ["SOURCE_FILE", "KERNEL_NAME", "COMPILE_OPTIONS", "MAX_REPLICAS", "source",
            "resplit_shares_cuda"]
 
-SOURCE_PACKAGE = "moebalance._csrc"
 SOURCE_FILE = "resplit.cu"
 KERNEL_NAME = "resplit_layer"
-# --fmad=false: a * b + c rounds twice, as the Numba kernel's does.
-COMPILE_OPTIONS = ("--std=c++17", "--fmad=false")
 # Replicas of one expert the kernel's per-thread scratch holds (MAX_REPLICAS in the source).
 MAX_REPLICAS = 64
 _BLOCK = 256
 
-_kernels: dict[int, object] = {}
-_lock = threading.Lock()
+_SOURCE = CudaSource(SOURCE_FILE, probe=KERNEL_NAME)
 
 
 def source() -> str:
     """The CUDA C++ source of the re-split kernel, as shipped with the package."""
-    return importlib.resources.files(SOURCE_PACKAGE).joinpath(SOURCE_FILE).read_text()
-
-
-def _kernel(device_index: int):
-    """The compiled kernel for one device (compiled once, at first use, then cached)."""
-    with _lock:
-        kernel = _kernels.get(device_index)
-        if kernel is None:
-            import cupy
-
-            with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(code=source(), options=COMPILE_OPTIONS)
-                try:
-                    kernel = module.get_function(KERNEL_NAME)
-                except cupy.cuda.compiler.CompileException as exc:
-                    raise RuntimeError(f"compiling {SOURCE_FILE} failed:\n{exc}") from exc
-            _kernels[device_index] = kernel
-        return kernel
+    return _SOURCE.text()
 
 
 def resplit_shares_cuda(w_E: torch.Tensor, share_EX: torch.Tensor, plan, *, sweeps: int,
@@ -95,7 +72,7 @@ def resplit_shares_cuda(w_E: torch.Tensor, share_EX: torch.Tensor, plan, *, swee
     fwork = torch.empty(E * X + E + 3 * G, dtype=torch.float64, device=device)
     iwork = torch.empty(E * X + 6 * E + 6 * G + 4, dtype=torch.int64, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index)
+    kernel = _SOURCE.function(index, KERNEL_NAME)
     stream = torch.cuda.current_stream(index)
     args = [cupy.from_dlpack(t) for t in (w, plan.device_EX, plan.speed_G, plan.order_V,
                                           plan.class_starts_C1, share, load)]
