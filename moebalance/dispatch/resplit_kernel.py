@@ -107,9 +107,11 @@ def resplit_order(device_EX, num_devices):
 
 
 @kernel
-def resplit_water_fill(e, w_E, device_EX, speed_G, share_EX, load_G, base_X, level_X, order_X):
+def resplit_water_fill(e, w_E, device_EX, speed_G, share_EX, load_G, scratch_2X, order_X):
     """Water-fill expert ``e`` (w_E[e] > 0, >= 2 replicas); updates share_EX[e] and load_G in
-    place and returns the largest change of one replica's piece. base/level/order: [X] scratch."""
+    place and returns the largest change of one replica's piece. scratch_2X [2, X] (base, level)
+    and order_X [X]: scratch."""
+    base_X, level_X = scratch_2X[0], scratch_2X[1]
     X = device_EX.shape[1]
     w = w_E[e]
     n = 0
@@ -165,15 +167,14 @@ def resplit_sweeps(w_E, device_EX, speed_G, order_V, share_EX, load_G, sweeps):
     match the shares on entry): classes forwards on even sweeps, backwards on odd ones."""
     X = device_EX.shape[1]
     V = order_V.shape[0]
-    base_X = np.empty(X, dtype=np.float64)
-    level_X = np.empty(X, dtype=np.float64)
+    scratch_2X = np.empty((2, X), dtype=np.float64)
     order_X = np.empty(X, dtype=np.int64)
     for sweep in range(sweeps):
         for i in range(V):
             e = order_V[i] if sweep % 2 == 0 else order_V[V - 1 - i]
             if w_E[e] > 0.0:
-                resplit_water_fill(e, w_E, device_EX, speed_G, share_EX, load_G, base_X,
-                                   level_X, order_X)
+                resplit_water_fill(e, w_E, device_EX, speed_G, share_EX, load_G, scratch_2X,
+                                   order_X)
 
 
 @kernel
