@@ -214,7 +214,8 @@ class CoreShare:
     :meth:`attach` hooks a :class:`~moebalance.nn.moe.SlotExperts`: a window opens when its forward
     starts and closes when it ends, and another runs from the gradient of its output to that of
     its input (its backward); at a window's close the rank sleeps ``cpu / share - wall`` seconds
-    if positive (CPU time of this thread, which runs the GEMMs at one torch thread).
+    if positive (CPU time of this thread, which runs the GEMMs at one torch thread), less what
+    earlier sleeps overshot.
     """
 
     def __init__(self, share: float) -> None:
@@ -223,16 +224,25 @@ class CoreShare:
         self.share = float(share)
         self.slept = 0.0
         self._opened = (0.0, 0.0)
+        # seconds slept beyond what the windows so far owed: time.sleep overshoots by a
+        # scheduler tick, which on millisecond windows would hold the rank below its share
+        self._ahead = 0.0
 
     def open(self) -> None:
         self._opened = (time.perf_counter(), time.thread_time())
 
     def close(self) -> None:
         wall0, cpu0 = self._opened
-        rest = (time.thread_time() - cpu0) / self.share - (time.perf_counter() - wall0)
-        if rest > 0:
-            time.sleep(rest)
-            self.slept += rest
+        owed = ((time.thread_time() - cpu0) / self.share - (time.perf_counter() - wall0)
+                - self._ahead)
+        if owed > 0:
+            start = time.perf_counter()
+            time.sleep(owed)
+            slept = time.perf_counter() - start
+            self._ahead = slept - owed
+            self.slept += slept
+        else:
+            self._ahead = -owed
 
     def attach(self, experts: nn.Module) -> None:
         def before(module, args):
