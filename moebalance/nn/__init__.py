@@ -2,17 +2,6 @@
 (slot storage, commit before forward, apply_placement), ``grad_sync`` (holder-only reduction,
 global clipping), ``checkpoint`` (experts by logical id)."""
 
-from .moe import (
-    DenseMoE,
-    ExpertParallelMoE,
-    SlotExperts,
-    TopKRouter,
-    apply_placement,
-    clip_grad_norm_,
-    current_placement,
-    moe_layers,
-    reduce_replica_gradients,
-)
-
-__all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
-           "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
+# the public names of the layer, re-exported so that ``moebalance.nn.ExpertParallelMoE`` works
+from .moe import *  # noqa: F403
+from .moe import __all__  # noqa: F401

@@ -297,47 +297,40 @@ def _migration_next(s: _Setup, moe, optimizer, new):
     return step
 
 
-def case_migration_transfer(s: _Setup):
+def _migration_with_patch(s: _Setup, method: str, make_patch):
+    """Apply a placement while the faulty rank's ``Migration.<method>`` is
+    ``make_patch(original)``: every rank must raise, and the next good step must work."""
+    from moebalance import apply_placement
     from moebalance.migrate.transfer import Migration
 
     moe, optimizer, new = _migration_model(s)
-    original = Migration._issue
+    original = getattr(Migration, method)
+    if s.rank == FAULTY:
+        setattr(Migration, method, make_patch(original))
+    try:
+        result = _expect_raise(lambda: apply_placement(moe, new, optimizer, timeout_s=5.0))
+    finally:
+        setattr(Migration, method, original)
+    return result, _migration_next(s, moe, optimizer, new)
 
+
+def case_migration_transfer(s: _Setup):
     def failing_issue(self, ops):
         raise RuntimeError("the transfer could not be posted")
 
-    if s.rank == FAULTY:
-        Migration._issue = failing_issue
-    try:
-        from moebalance import apply_placement
-
-        result = _expect_raise(lambda: apply_placement(moe, new, optimizer, timeout_s=5.0))
-    finally:
-        Migration._issue = original
-    return result, _migration_next(s, moe, optimizer, new)
+    return _migration_with_patch(s, "_issue", lambda original: failing_issue)
 
 
 def case_migration_commit(s: _Setup):
     """Staged rows that do not fit their slot tensor (another dtype) on one rank."""
-    from moebalance.migrate.transfer import Migration
+    def misfit(original):
+        def misfit_post(self, layer):
+            transfer = original(self, layer)
+            transfer.staged = [(t, local, rows.float()) for t, local, rows in transfer.staged]
+            return transfer
+        return misfit_post
 
-    moe, optimizer, new = _migration_model(s)
-    original = Migration._post
-
-    def misfit_post(self, layer):
-        transfer = original(self, layer)
-        transfer.staged = [(t, local, rows.float()) for t, local, rows in transfer.staged]
-        return transfer
-
-    if s.rank == FAULTY:
-        Migration._post = misfit_post
-    try:
-        from moebalance import apply_placement
-
-        result = _expect_raise(lambda: apply_placement(moe, new, optimizer, timeout_s=5.0))
-    finally:
-        Migration._post = original
-    return result, _migration_next(s, moe, optimizer, new)
+    return _migration_with_patch(s, "_post", misfit)
 
 
 def case_migration_bad_placement(s: _Setup):
