@@ -4,10 +4,11 @@
 per step, gives each policy the first ``warmup`` steps as history, then walks the remaining
 steps. Between re-plans a policy's placement is fixed, so the device loads of such a stretch
 are computed at once: each expert's tokens times its replicas' shares summed per device, or,
-with the per-step re-split, water filling of every step's tokens over the replicas
-(:func:`moebalance.planner.resplit_device_loads`, the dispatcher's re-split, with the speeds the
-policy believes). The :class:`~.stepmodel.StepModel` turns loads into seconds at the speeds the
-devices run at (the cluster's ``speed_changes`` applied step by step).
+with the per-step re-split, every step's tokens re-split over the replicas by the dispatcher's
+own kernel (:func:`moebalance.dispatch.resplit_kernel.resplit_loads`: water-filling sweeps, then
+the exact flow, with the speeds the policy believes). The :class:`~.stepmodel.StepModel` turns
+loads into seconds at the speeds the devices run at (the cluster's ``speed_changes`` applied step
+by step).
 
 Legend: T steps, L layers, E experts, G devices, S slots.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...dispatch.resplit_kernel import RESPLIT_SWEEPS
 from ...placement import Placement
-from ...planner import MoveCost, resplit_device_loads
+from ...planner import MoveCost, _jit
 from ...topology import Topology
 from .cluster import ClusterSpec, ModelShape
 from .policies import Policy
@@ -124,13 +126,16 @@ def _static_loads(w_BLE: np.ndarray, placement: Placement, G: int) -> np.ndarray
 
 
 def _resplit_loads(w_BLE: np.ndarray, placement: Placement, topology: Topology) -> np.ndarray:
-    """[B, L, G]: every step's tokens re-split over the replicas (water filling from the
-    placement's shares, as the dispatcher does)."""
+    """[B, L, G]: every step's tokens re-split over the replicas as the dispatcher does it
+    (water-filling sweeps from the placement's shares, then the exact flow)."""
     B, L, _ = w_BLE.shape
+    resplit = _jit.kernels().resplit_loads
+    speed_G = np.ascontiguousarray(topology.speed, dtype=np.float64)
     out = np.empty((B, L, topology.num_devices))
     for layer in range(L):
-        out[:, layer] = resplit_device_loads(w_BLE[:, layer], placement.phy2log[layer],
-                                             placement.share[layer], topology)
+        out[:, layer] = resplit(np.ascontiguousarray(w_BLE[:, layer], dtype=np.float64),
+                                placement.phy2log[layer], placement.share[layer], speed_G,
+                                placement.slot_device, RESPLIT_SWEEPS, True)
     return out
 
 
