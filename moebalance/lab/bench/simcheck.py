@@ -233,8 +233,10 @@ class CoreShare:
 
     def close(self) -> None:
         wall0, cpu0 = self._opened
-        owed = ((time.thread_time() - cpu0) / self.share - (time.perf_counter() - wall0)
-                - self._ahead)
+        rest = (time.thread_time() - cpu0) / self.share - (time.perf_counter() - wall0)
+        if rest <= 0:
+            return              # a window that waited (on a peer, for a core) earns no credit
+        owed = rest - self._ahead
         if owed > 0:
             start = time.perf_counter()
             time.sleep(owed)
