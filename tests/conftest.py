@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from _dist import SharedSpawns, selected_groups
+
 # The package re-exports the function ``backends`` under the submodule's name, so attribute
 # access (``moebalance.backends``) gives the function; the module is reached through importlib.
 _backends = importlib.import_module("moebalance.backends")
@@ -54,3 +56,11 @@ def isolated_backends(monkeypatch):
     _backends._forced.update(forced)
     _backends.has_numba.cache_clear()
     _backends.has_cupy_gpu.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def dist_spawns(request):
+    """The gloo ranks every distributed test module shares (see ``_dist.py``)."""
+    spawns = SharedSpawns(selected_groups(request.session.items))
+    yield spawns
+    spawns.close()
