@@ -214,7 +214,8 @@ class _Spawn:
                     note = "a worker died; the others were stopped"
                     break
                 if time.monotonic() > deadline:
-                    note = f"group {name} ran past its {group.timeout_s:.0f} s: the ranks were killed"
+                    note = (f"group {name} ran past its {group.timeout_s:.0f} s: "
+                            "the ranks were killed")
                     break
                 time.sleep(0.05)
             if note:
