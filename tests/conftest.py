@@ -64,3 +64,27 @@ def dist_spawns(request):
     spawns = SharedSpawns(selected_groups(request.session.items))
     yield spawns
     spawns.close()
+
+
+@pytest.fixture
+def run_moebalance(capfd):
+    """Run the ``moebalance`` command in this process; return (exit status, stdout, stderr).
+
+    The ranks a benchmark spawns start as they would from the shell, and capfd sees their output
+    too (``python -m moebalance`` itself is run by test_cli). Torch's thread count, which some
+    benchmarks set for their timings, is restored afterwards.
+    """
+    import torch
+
+    from moebalance import cli
+
+    def run(argv) -> tuple[int, str, str]:
+        threads = torch.get_num_threads()
+        try:
+            rc = cli.main([str(a) for a in argv])
+        finally:
+            torch.set_num_threads(threads)
+        out, err = capfd.readouterr()
+        return rc, out, err
+
+    return run

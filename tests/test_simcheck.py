@@ -95,14 +95,10 @@ def test_calibration_file_without_a_model_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path, capfd):
-    from moebalance import cli
-
-    # The command in this process (``python -m moebalance`` itself is run by test_cli): its
-    # ranks are spawned as they would be from the shell; capfd sees their output too.
-    rc = cli.main(["bench", "simcheck", "--quick", "--hidden", "16", "--ffn", "32", "--tokens",
-                   "16", "--warmup", "2", "--steps", "2", "--every", "2", "--out", str(tmp_path)])
-    out, err = capfd.readouterr()
+def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path, run_moebalance):
+    rc, out, err = run_moebalance(["bench", "simcheck", "--quick", "--hidden", "16", "--ffn", "32",
+                                   "--tokens", "16", "--warmup", "2", "--steps", "2", "--every",
+                                   "2", "--out", tmp_path])
     assert rc == 0, err[-3000:]
     assert "same ranking" in out
     assert "moebalance bench simcheck [" in err and "calibrating" in err

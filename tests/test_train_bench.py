@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import moebalance as mb
 from moebalance.benchmarks.train import moved_placement
@@ -21,14 +22,10 @@ def test_moved_placement_moves_at_least_the_fraction_and_stays_valid():
     assert np.array_equal(new.share, current.share)
 
 
-def test_bench_train_command_reports_its_figures(tmp_path, capfd):
-    from moebalance import cli
-
-    # The command in this process (``python -m moebalance`` itself is run by test_cli): its
-    # ranks are spawned as they would be from the shell; capfd sees their output too.
-    rc = cli.main(["bench", "train", "--quick", "--hidden", "16", "--ffn", "16", "--seq", "8",
-                   "--batch", "2", "--out", str(tmp_path)])
-    out, err = capfd.readouterr()
+@pytest.mark.timeout(400)
+def test_bench_train_command_reports_its_figures(tmp_path, run_moebalance):
+    rc, out, err = run_moebalance(["bench", "train", "--quick", "--hidden", "16", "--ffn", "16",
+                                   "--seq", "8", "--batch", "2", "--out", tmp_path])
     assert rc == 0, err[-3000:]
     assert "ratio to the median step" in out
     # a progress line per phase, from the parent and from rank 0
