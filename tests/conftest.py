@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from _dist import SharedSpawns, selected_groups
+
 # The package re-exports the function ``backends`` under the submodule's name, so attribute
 # access (``moebalance.backends``) gives the function; the module is reached through importlib.
 _backends = importlib.import_module("moebalance.backends")
@@ -54,3 +56,35 @@ def isolated_backends(monkeypatch):
     _backends._forced.update(forced)
     _backends.has_numba.cache_clear()
     _backends.has_cupy_gpu.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def dist_spawns(request):
+    """The gloo ranks every distributed test module shares (see ``_dist.py``)."""
+    spawns = SharedSpawns(selected_groups(request.session.items))
+    yield spawns
+    spawns.close()
+
+
+@pytest.fixture
+def run_moebalance(capfd):
+    """Run the ``moebalance`` command in this process; return (exit status, stdout, stderr).
+
+    The ranks a benchmark spawns start as they would from the shell, and capfd sees their output
+    too (``python -m moebalance`` itself is run by test_cli). Torch's thread count, which some
+    benchmarks set for their timings, is restored afterwards.
+    """
+    import torch
+
+    from moebalance.cli import main as cli
+
+    def run(argv) -> tuple[int, str, str]:
+        threads = torch.get_num_threads()
+        try:
+            rc = cli.main([str(a) for a in argv])
+        finally:
+            torch.set_num_threads(threads)
+        out, err = capfd.readouterr()
+        return rc, out, err
+
+    return run

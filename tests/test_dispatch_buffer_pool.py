@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.buffers import _BufferPool, release_buffers
 from moebalance.placement import Placement
@@ -132,9 +132,7 @@ def saved_rows_and_outputs_survive_later_dispatches_on_four_ranks():
 CASES = [saved_rows_and_outputs_survive_later_dispatches_on_four_ranks]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=4)
+dist_results = shared_spawn(CASES, __name__, world_size=4)
 
 
 @pytest.mark.distributed

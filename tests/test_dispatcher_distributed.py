@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.collective_errors import GroupError, GroupValueError
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
@@ -524,9 +524,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=WORLD)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD)
 
 
 @pytest.mark.distributed

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import moebalance as mb
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.nn.slots import moe_layers
 from moebalance.integrations.wrap import unwrap_state_dict
 from moebalance.lab.models import tiny_hf_moe
@@ -197,9 +197,7 @@ CASES = [wrap_starts_every_rank_from_rank0_weights,
          per_rank_clipping_warns_once]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=WORLD, timeout_s=400)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400)
 
 
 @pytest.mark.distributed

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.nn.slots import moe_layers
 from test_dispatcher_distributed import random_placement
 from test_tracker import tiny_moe_model
@@ -218,9 +218,7 @@ if importlib.util.find_spec("transformers") is not None:
              from_pretrained_rejects_bad_input_on_every_rank]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=WORLD, timeout_s=400.0, collective_timeout_s=60.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0, collective_timeout_s=60.0)
 
 
 @pytest.mark.distributed

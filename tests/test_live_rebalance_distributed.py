@@ -20,7 +20,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance import checkpoint
 from moebalance.migrate import Migration, MigrationError, plan_migration
 from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, apply_placement, current_placement, moe_layers
@@ -564,9 +564,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=WORLD, timeout_s=400.0, collective_timeout_s=30.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0, collective_timeout_s=30.0)
 
 
 @pytest.mark.distributed

@@ -4,8 +4,6 @@ cluster file, and the check runs end to end on 4 gloo ranks."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -96,14 +94,14 @@ def test_calibration_file_without_a_model_is_refused(tmp_path):
         load_calibration(path)
 
 
-def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "moebalance", "bench", "simcheck", "--quick", "--hidden", "16",
-         "--ffn", "32", "--tokens", "16", "--warmup", "2", "--steps", "2", "--every", "2",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "same ranking" in proc.stdout
-    assert "moebalance bench simcheck [" in proc.stderr and "calibrating" in proc.stderr
+@pytest.mark.timeout(90)
+def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path, run_moebalance):
+    rc, out, err = run_moebalance(["bench", "simcheck", "--quick", "--hidden", "16", "--ffn", "32",
+                                   "--tokens", "16", "--warmup", "2", "--steps", "2", "--every",
+                                   "2", "--out", tmp_path])
+    assert rc == 0, err[-3000:]
+    assert "same ranking" in out
+    assert "moebalance bench simcheck [" in err and "calibrating" in err
     result = json.loads((tmp_path / "results.json").read_text())
     assert len(result["policies"]) == 4
     for row in result["policies"]:

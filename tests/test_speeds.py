@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.nn.moe import ExpertParallelMoE
 from moebalance.speeds import BACKWARD_WORK, ExpertTimer, SpeedTracker
 
@@ -205,9 +205,7 @@ CASES = [measure_agrees_on_every_rank, measure_error_raises_on_every_rank,
          straggler_replans_away_from_the_slow_rank]
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=4, timeout_s=240)
+dist_results = shared_spawn(CASES, __name__, world_size=4, timeout_s=240)
 
 
 @pytest.mark.timeout(300)

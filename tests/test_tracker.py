@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moebalance as mb
+from _dist import case_id, shared_spawn
 from moebalance.integrations.routers import find_routers
 from moebalance.tracker import LoadSnapshot
 
@@ -284,39 +282,28 @@ def test_counts_before_any_record_raise():
 # -- snapshot over ranks ---------------------------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        tracker = mb.LoadTracker(L, E, window=2)
-        for step in random_steps(100 + rank, 3):
-            record_steps(tracker, [step])
-        np.save(os.path.join(out_dir, f"sync{rank}.npy"), tracker.snapshot())
-        handle = tracker.snapshot(async_op=True)
-        np.save(os.path.join(out_dir, f"async{rank}.npy"), handle.wait())
-        if rank == 1:  # one rank's bad id must fail the snapshot on every rank
-            tracker.record(0, torch.tensor([[E + 3, 0]]))
-        try:
-            tracker.snapshot()
-            outcome = "no error"
-        except ValueError as exc:
-            outcome = str(exc)
-        with open(os.path.join(out_dir, f"invalid{rank}.txt"), "w") as f:
-            f.write(outcome)
-    finally:
-        dist.destroy_process_group()
+def snapshot_sums_loads_over_gloo_ranks() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tracker = mb.LoadTracker(L, E, window=2)
+    for step in random_steps(100 + rank, 3):
+        record_steps(tracker, [step])
+    expected = sum(step_counts(s) for r in range(world) for s in random_steps(100 + r, 3)[-2:])
+    np.testing.assert_array_equal(tracker.snapshot(), expected)
+    np.testing.assert_array_equal(tracker.snapshot(async_op=True).wait(), expected)
+    if rank == 1:  # one rank's bad id must fail the snapshot on every rank
+        tracker.record(0, torch.tensor([[E + 3, 0]]))
+    with pytest.raises(ValueError, match="outside"):
+        tracker.snapshot()
+
+
+CASES = [snapshot_sums_loads_over_gloo_ranks]
+dist_results = shared_spawn(CASES, __name__, world_size=4)
 
 
 @pytest.mark.distributed
-def test_snapshot_sums_loads_over_gloo_ranks():
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_gloo_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
-        expected = sum(step_counts(s) for r in range(world) for s in random_steps(100 + r, 3)[-2:])
-        for rank in range(world):
-            np.testing.assert_array_equal(np.load(os.path.join(tmp, f"sync{rank}.npy")), expected)
-            np.testing.assert_array_equal(np.load(os.path.join(tmp, f"async{rank}.npy")), expected)
-            with open(os.path.join(tmp, f"invalid{rank}.txt")) as f:
-                assert "outside" in f.read()
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_snapshot_over_gloo_ranks(dist_results, case):
+    dist_results.check(case)
 
 
 # -- attach() on real routers ----------------------------------------------------------------------

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
+import pytest
 
 import moebalance as mb
 from moebalance.lab.bench.train import moved_placement
@@ -23,14 +22,14 @@ def test_moved_placement_moves_at_least_the_fraction_and_stays_valid():
     assert np.array_equal(new.share, current.share)
 
 
-def test_bench_train_command_reports_its_figures(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "train", "--quick",
-                           "--hidden", "16", "--ffn", "16", "--seq", "8", "--batch", "2",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ratio to the median step" in proc.stdout
+@pytest.mark.timeout(400)
+def test_bench_train_command_reports_its_figures(tmp_path, run_moebalance):
+    rc, out, err = run_moebalance(["bench", "train", "--quick", "--hidden", "16", "--ffn", "16",
+                                   "--seq", "8", "--batch", "2", "--out", tmp_path])
+    assert rc == 0, err[-3000:]
+    assert "ratio to the median step" in out
     # a progress line per phase, from the parent and from rank 0
-    assert "moebalance bench train [" in proc.stderr and "live migrations" in proc.stderr
+    assert "moebalance bench train [" in err and "live migrations" in err
     result = json.loads((tmp_path / "results.json").read_text())["result"]
     assert all(r["error"] is None and r["moves"] >= 4 for r in result["reports"])
     assert len(result["sync_bytes_per_rank"]) == 4 and (tmp_path / "summary.md").is_file()

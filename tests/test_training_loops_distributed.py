@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from _dist import case_id, run_cases
+from _dist import case_id, shared_spawn
 from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 from test_live_rebalance_distributed import assert_replicas_identical
 
@@ -144,9 +144,7 @@ if importlib.util.find_spec("transformers") is not None and importlib.util.find_
     CASES.append(hf_trainer_callback_drives_a_migration)
 
 
-@pytest.fixture(scope="module")
-def dist_results():
-    return run_cases(CASES, world_size=WORLD, timeout_s=500.0, collective_timeout_s=60.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0, collective_timeout_s=60.0)
 
 
 @pytest.mark.distributed
