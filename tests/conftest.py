@@ -13,9 +13,8 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
-
 from _dist import SharedSpawns, selected_groups
+from hypothesis import HealthCheck, settings
 
 # The package re-exports the function ``backends`` under the submodule's name, so attribute
 # access (``moebalance.backends``) gives the function; the module is reached through importlib.

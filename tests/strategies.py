@@ -75,7 +75,8 @@ def placements(topology: Topology, num_layers: int, num_experts: int,
     if not int(topology.slots.max()) <= num_experts <= topology.num_slots:
         raise ValueError(
             f"no valid placement of {num_experts} experts on {topology!r}: need "
-            f"max(slots)={int(topology.slots.max())} <= num_experts <= num_slots={topology.num_slots}"
+            f"max(slots)={int(topology.slots.max())} <= num_experts <= "
+            f"num_slots={topology.num_slots}"
         )
     return _placements(topology, num_layers, num_experts, equal_shares)
 

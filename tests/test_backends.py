@@ -29,7 +29,7 @@ def raise_runtime_error():
     raise RuntimeError("CUDA driver version is insufficient")
 
 
-# -- automatic choice -------------------------------------------------------------------------------
+# -- automatic choice ------------------------------------------------------------------------------
 
 def test_backends_reports_every_part_and_the_detected_accelerators(isolated_backends):
     report = mb.backends()
@@ -74,7 +74,7 @@ def test_cupy_without_a_working_gpu_falls_back_to_torch(isolated_backends, monke
     assert isolated_backends.backend("dispatch", "cuda") == "torch"
 
 
-# -- forcing --------------------------------------------------------------------------------------------
+# -- forcing ---------------------------------------------------------------------------------------
 
 def test_force_backend_overrides_and_none_restores_the_automatic_choice(isolated_backends):
     auto = mb.backends()
@@ -126,7 +126,7 @@ def test_forcing_one_part_leaves_the_other_alone():
         assert report["dispatch.cuda"] == auto["dispatch.cuda"]
 
 
-# -- environment variables ---------------------------------------------------------------------------------
+# -- environment variables -------------------------------------------------------------------------
 
 def test_environment_variables_override_the_automatic_choice(monkeypatch):
     monkeypatch.setenv("MOEBALANCE_PLANNER", "numpy")
@@ -162,7 +162,7 @@ def test_an_unknown_backend_in_the_environment_names_the_variable(monkeypatch):
         mb.backends()
 
 
-# -- invalid names ----------------------------------------------------------------------------------------
+# -- invalid names ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("part, name, message", [
     ("planner", "cuda", r"planner backend must be one of"),

@@ -12,8 +12,8 @@ import pytest
 
 from moebalance import Placement, Topology, imbalance, summary_imbalance
 from moebalance.cli import main as cli
-from moebalance.lab.bench import planner as bench
 from moebalance.lab import report
+from moebalance.lab.bench import planner as bench
 from moebalance.lab.workloads import SKEWS
 
 
@@ -41,7 +41,8 @@ def loads_file(tmp_path):
 def quick_bench(tmp_path_factory):
     """One ``python -m moebalance bench --quick`` run shared by the bench tests."""
     out = tmp_path_factory.mktemp("bench-out")
-    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "--quick", "--out",
+                           str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
@@ -360,7 +361,8 @@ def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, 
     (["plan", "{loads}", "--devices", "4"], "--slots"),
     (["plan", "{loads}", "--slots", "4"], "--devices"),
     (["plan", "{loads}"], "--devices"),
-    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--cluster", "heterogeneous"], "--cluster"),
+    (["plan", "{loads}", "--devices", "4", "--slots", "5", "--cluster", "heterogeneous"],
+     "--cluster"),
     (["plan", "{loads}", "--cluster", "no-such"], "--cluster"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--speed", "-1"], "--speed"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--max-moves", "-3"], "--max-moves"),
@@ -372,7 +374,8 @@ def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, 
     (["plan", "{nan}", "--devices", "4", "--slots", "5"], "finite"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--previous", "{loads}"],
      "--previous: '{loads}' holds a numpy array (.npy), not a saved moebalance placement"),
-    (["plan", "{text}", "--devices", "4", "--slots", "5"], "is named .npy but holds text; write it"),
+    (["plan", "{text}", "--devices", "4", "--slots", "5"],
+     "is named .npy but holds text; write it"),
     (["plan", "{npz_as_npy}", "--devices", "4", "--slots", "5"], "holds a zip archive"),
     (["plan", "{loads}", "--devices", "4", "--slots", "5", "--out", "{dir}/no-such/p.npz"],
      "--out: the folder"),

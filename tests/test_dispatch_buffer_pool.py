@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
 from torch.testing import assert_close
 
-from _dist import case_id, shared_spawn
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.buffers import _BufferPool, release_buffers
 from moebalance.placement import Placement

@@ -21,7 +21,8 @@ FLOATS = [torch.float32, torch.float64]
 
 
 def _placement(gen: np.random.Generator, E: int, S: int) -> Placement:
-    """S >= E slots on ranks of 2..min(4, E) slots; every expert has a replica; some shares are 0."""
+    """S >= E slots on ranks of 2..min(4, E) slots; every expert has a replica; some shares are
+    0."""
     sizes = []
     while sum(sizes) < S:
         sizes.append(int(min(gen.integers(2, min(4, E) + 1), S - sum(sizes))))
@@ -136,7 +137,8 @@ def test_numba_gather_rows_equals_reference(shape, dtype, scaled):
     _, order, _, _, x, w = _sorted(shape, seed=4, dtype=dtype)
     index = order // shape[1]
     scale = w.reshape(-1)[order] if scaled else None
-    assert torch.equal(numba_kernels.gather_rows(x, index, scale), reference.gather_rows(x, index, scale))
+    assert torch.equal(numba_kernels.gather_rows(x, index, scale),
+                       reference.gather_rows(x, index, scale))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -169,7 +171,8 @@ def test_numba_16bit_inputs_give_reference_results(dtype):
     y = reference.gather_rows(x, index)
     assert torch.equal(numba_kernels.gather_rows(x, index, w.reshape(-1)[order]),
                        reference.gather_rows(x, index, w.reshape(-1)[order]))
-    assert torch.equal(numba_kernels.combine(y, pos, w.float()), reference.combine(y, pos, w.float()))
+    assert torch.equal(numba_kernels.combine(y, pos, w.float()),
+                       reference.combine(y, pos, w.float()))
     assert torch.equal(numba_kernels.combine_weight_grad(x, y, pos),
                        reference.combine_weight_grad(x, y, pos))
 
@@ -212,7 +215,8 @@ def test_numba_kernels_run_as_plain_python(monkeypatch):
         assert torch.equal(got, want)
     order, pos, _ = sorted_
     scale = w.reshape(-1)[order]
-    assert torch.equal(numba_kernels.gather_rows(x, order // 3), reference.gather_rows(x, order // 3))
+    assert torch.equal(numba_kernels.gather_rows(x, order // 3),
+                       reference.gather_rows(x, order // 3))
     y = numba_kernels.gather_rows(x, order // 3, scale)
     assert torch.equal(y, reference.gather_rows(x, order // 3, scale))
     assert torch.equal(numba_kernels.combine(y, pos), reference.combine(y, pos))

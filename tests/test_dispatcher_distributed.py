@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
 from torch.testing import assert_close
 
-from _dist import case_id, shared_spawn
 from moebalance.collective_errors import GroupError, GroupValueError
 from moebalance.dispatch import Dispatcher
 from moebalance.dispatch.exchange import EXCHANGES, auto_exchange
@@ -141,7 +141,8 @@ def assert_replicas_identical(moe: ExpertParallelMoE) -> None:
         assert torch.equal(router, everyone[0][3]), "router weights differ between ranks"
         for slot, e in enumerate(experts):
             if e in first:
-                assert torch.equal(gate_up[slot], first[e][0]), f"gate_up replicas of expert {e} differ"
+                assert torch.equal(gate_up[slot], first[e][0]), \
+                    f"gate_up replicas of expert {e} differ"
                 assert torch.equal(down[slot], first[e][1]), f"down replicas of expert {e} differ"
             else:
                 first[e] = (gate_up[slot], down[slot])
@@ -538,7 +539,8 @@ def test_on_four_gloo_ranks(dist_results, case):
 
 @pytest.mark.parametrize("exchange", ["nccl", "alltoall", "", None, 1])
 def test_unknown_exchange_is_rejected_naming_the_choices(exchange):
-    with pytest.raises(ValueError, match=r"exchange must be one of \['auto', 'all_to_all', 'p2p'\]"):
+    with pytest.raises(ValueError,
+                       match=r"exchange must be one of \['auto', 'all_to_all', 'p2p'\]"):
         Dispatcher(exchange=exchange)
 
 

@@ -10,13 +10,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
-from moebalance import Device, Topology, balancedness, imbalance
-from moebalance.lab.eplb_reference import (eplb_baseline, eplb_style_plan,
-                                                 placement_from_phy2log)
-from moebalance.planner.eplb import rebalance_experts
 from strategies import loads as loads_strategy
 from strategies import topologies
+
+from moebalance import Device, Topology, balancedness, imbalance
+from moebalance.lab.eplb_reference import eplb_baseline, eplb_style_plan, placement_from_phy2log
+from moebalance.planner.eplb import rebalance_experts
 
 
 def gpu_balancedness(w_LE, phy2log_LR, num_gpus):

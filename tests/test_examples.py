@@ -58,7 +58,7 @@ def _run_all(name: str, runs) -> list[str]:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    for (_, torchrun), (code, out, err) in zip(runs, outputs):
+    for (_, torchrun), (code, _out, err) in zip(runs, outputs):
         how = "under torchrun" if torchrun else "spawned"
         assert code == 0, f"{name} {how} failed:\n{err[-3000:]}"
     return [out for _, out, _ in outputs]
@@ -160,7 +160,8 @@ def test_frameworks_example_every_framework_trains_alike_spawned_and_under_torch
     # fp64: the hand-written loop and Lightning spawned, the user's DDP and the HF Trainer (its
     # own DDP) under torchrun, each loop once; every loss sequence is the plain loop's.
     spawned, torchrun = _run_both(
-        "frameworks_agree.py", ["--quick", "--loops", "plain,lightning", "--json", tmp_path / "s.json"],
+        "frameworks_agree.py",
+        ["--quick", "--loops", "plain,lightning", "--json", tmp_path / "s.json"],
         ["--quick", "--loops", "ddp,hf", "--json", tmp_path / "t.json"])
     runs = {}
     for name in ("s.json", "t.json"):

@@ -18,15 +18,15 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
+from test_dispatcher_distributed import random_placement
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
-from moebalance.nn.slots import moe_layers
 from moebalance.integrations.wrap import unwrap_state_dict
 from moebalance.lab.models import tiny_hf_moe
-from test_dispatcher_distributed import random_placement
+from moebalance.nn.slots import moe_layers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="needs transformers")
@@ -94,12 +94,14 @@ def ddp_averages_dense_and_leaves_experts_alone_same_losses():
     base = unseeded_model()
     plain = mb.wrap(copy.deepcopy(base), TOPOLOGY)
     inside = mb.wrap(copy.deepcopy(base), TOPOLOGY)
-    slots_before = [p.detach().clone() for layer in moe_layers(inside) for p in layer.slot_parameters()]
+    slots_before = [p.detach().clone() for layer in moe_layers(inside)
+                    for p in layer.slot_parameters()]
     ddp = DDP(inside)
     ignored = set(ddp.parameters_to_ignore)
     assert {n for n, _ in inside.named_parameters() if "experts" in n} <= ignored
     # DDP's start-up broadcast left each rank's own slots in place.
-    for before, p in zip(slots_before, [p for layer in moe_layers(inside) for p in layer.slot_parameters()]):
+    for before, p in zip(slots_before,
+                         [p for layer in moe_layers(inside) for p in layer.slot_parameters()]):
         assert torch.equal(before, p.detach())
     expected = train(plain, plain)
     got = train(inside, ddp)

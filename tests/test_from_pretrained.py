@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
+from test_dispatcher_distributed import random_placement
+from test_tracker import tiny_moe_model
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
 from moebalance.nn.slots import moe_layers
-from test_dispatcher_distributed import random_placement
-from test_tracker import tiny_moe_model
 
 WORLD = 4
 SLOTS = [3, 4, 2, 3]
@@ -218,7 +218,8 @@ if importlib.util.find_spec("transformers") is not None:
              from_pretrained_rejects_bad_input_on_every_rank]
 
 
-dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0, collective_timeout_s=60.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0,
+                            collective_timeout_s=60.0)
 
 
 @pytest.mark.distributed

@@ -148,8 +148,8 @@ def test_bad_device_is_a_usage_error(gpu_check):
 def test_runs_from_the_repository_without_an_install(tmp_path):
     # python -S with only the dependencies on PYTHONPATH: no .pth file runs, so no install of
     # moebalance (editable or not) is visible; the script must import it from the repository.
-    import numpy
     import numba
+    import numpy
 
     paths = dict.fromkeys(str(Path(m.__file__).parents[1]) for m in (torch, numpy, numba))
     env = {"PYTHONPATH": ":".join(paths), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}

@@ -155,7 +155,8 @@ def test_package_imports_have_no_cycle():
 
 def test_ground_floor_imports_only_the_ground_floor():
     assert GROUND_FLOOR <= set(GRAPH), sorted(GROUND_FLOOR - set(GRAPH))
-    upward = {m: sorted(GRAPH[m] - GROUND_FLOOR) for m in sorted(GROUND_FLOOR) if GRAPH[m] - GROUND_FLOOR}
+    upward = {m: sorted(GRAPH[m] - GROUND_FLOOR) for m in sorted(GROUND_FLOOR)
+              if GRAPH[m] - GROUND_FLOOR}
     assert not upward, f"ground-floor modules import from above: {upward}"
 
 
@@ -182,7 +183,8 @@ def test_no_library_module_imports_the_tools():
 
 def test_the_lab_reaches_the_command_only_through_its_argument_helpers():
     lab = [m for m in GRAPH if _within(m, (f"{PACKAGE}.lab",))]
-    reaching = {m: sorted(t for t in GRAPH[m] if _within(t, (f"{PACKAGE}.cli",)) and t != TOOLS_GROUND)
+    reaching = {m: sorted(t for t in GRAPH[m] if _within(t, (f"{PACKAGE}.cli",))
+                          and t != TOOLS_GROUND)
                 for m in lab}
     reaching = {m: ts for m, ts in reaching.items() if ts}
     assert not reaching, f"lab modules import the command: {reaching}"

@@ -16,15 +16,21 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
+from test_dispatcher_distributed import random_placement
 from torch import nn
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
 from moebalance import checkpoint
 from moebalance.migrate import Migration, MigrationError, plan_migration
-from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, apply_placement, current_placement, moe_layers
-from test_dispatcher_distributed import random_placement
+from moebalance.nn.moe import (
+    DenseMoE,
+    ExpertParallelMoE,
+    apply_placement,
+    current_placement,
+    moe_layers,
+)
 
 WORLD = 4
 D, F, E, K = 8, 6, 8, 2
@@ -44,8 +50,10 @@ class Net(nn.Module):
             self.l0 = DenseMoE(D, F, E, K, seed=11)
             self.l1 = DenseMoE(D, F, E, K, seed=12)
         else:
-            self.l0 = ExpertParallelMoE(D, F, E, K, placement, 0, group, seed=11, grad_sync=grad_sync)
-            self.l1 = ExpertParallelMoE(D, F, E, K, placement, 1, group, seed=12, grad_sync=grad_sync)
+            self.l0 = ExpertParallelMoE(D, F, E, K, placement, 0, group, seed=11,
+                                        grad_sync=grad_sync)
+            self.l1 = ExpertParallelMoE(D, F, E, K, placement, 1, group, seed=12,
+                                        grad_sync=grad_sync)
         self.to(dtype)
 
     def forward(self, x):
@@ -137,7 +145,8 @@ def run(kind: str, dtype, schedule: dict, steps: int = 30, max_bytes=None):
     return result
 
 
-SCHEDULE = {4: placements_for(1), 9: placements_for(2), 15: placements_for(3), 22: placements_for(4)}
+SCHEDULE = {4: placements_for(1), 9: placements_for(2), 15: placements_for(3),
+            22: placements_for(4)}
 
 
 def compare_states(a: dict, b: dict, rtol: float, atol: float):
@@ -191,7 +200,7 @@ def rebalanced_run_matches_fixed_run_sgd_momentum_fp32():
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
     _, fixed_state, _ = run("sgd", torch.float64, {})
     _, state, _ = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
-    for fqn, entry in fixed_state["optimizer"]["state"].items():
+    for _fqn, entry in fixed_state["optimizer"]["state"].items():
         if entry["logical"]:
             assert "momentum_buffer" in entry["logical"]
     compare_states(fixed_state, state, rtol=1e-10, atol=1e-13)
@@ -236,7 +245,8 @@ def _trained(dtype=torch.float64):
 
 def _snapshot(model, optimizer):
     rows = [p.detach().clone() for p in model.parameters()]
-    state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()}
+    state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()}
+             for p in model.parameters()}
     return current_placement(model), rows, state
 
 
@@ -274,7 +284,8 @@ def _expect_same_error_everywhere(model, optimizer, new, faulty_rank, fault):
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, message)
     assert len(set(everyone)) == 1, everyone
-    assert f"rank {faulty_rank}" in message or "Timed out" in message or "timed out" in message.lower()
+    assert (f"rank {faulty_rank}" in message or "Timed out" in message
+            or "timed out" in message.lower())
     _assert_unchanged(model, optimizer, snap)
     assert all(layer.pending_migration is None for layer in moe_layers(model))
     # The next attempt goes through.
@@ -349,7 +360,8 @@ def per_rank_state_dict_resumes_its_placement():
     dtype = torch.float64
     model, optimizer = _trained(dtype)
     apply_placement(model, placements_for(6), optimizer)
-    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in model.state_dict().items()}
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k,
+             v in model.state_dict().items()}
     resumed = Net(placements_for(0), dtype)
     resumed.load_state_dict(state)
     assert current_placement(resumed) == current_placement(model)
@@ -363,7 +375,8 @@ def replica_gradient_traffic_scales_with_replicas_held():
     share = np.zeros(12)
     for e in range(E):
         share[row == e] = 1.0 / np.count_nonzero(row == e)
-    placement = mb.Placement(np.stack([row, row]), np.stack([share, share]), np.repeat(np.arange(4), 3), E)
+    placement = mb.Placement(np.stack([row, row]), np.stack([share, share]),
+                             np.repeat(np.arange(4), 3), E)
     model = Net(placement, torch.float32)
     counts = np.bincount(row, minlength=E)
     rank = dist.get_rank()
@@ -479,7 +492,7 @@ def stale_staging_is_sent_again_after_an_optimizer_step():
     dtype = torch.float64
     fixed, moving = _trained(dtype), _trained(dtype)
     migration = apply_placement(moving[0], placements_for(8), moving[1], blocking=False)
-    for model, optimizer in (fixed, moving):
+    for _model, optimizer in (fixed, moving):
         optimizer.step()            # an update no forward preceded: the staged rows go stale
     assert migration.report()["resends"] == 2 and not migration.done
     for step in range(3, 6):
@@ -564,7 +577,8 @@ CASES = [
 ]
 
 
-dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0, collective_timeout_s=30.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0,
+                            collective_timeout_s=30.0)
 
 
 @pytest.mark.distributed

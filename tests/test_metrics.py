@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import loads, placement_cases
 
 from moebalance import Device, Placement, Topology, balancedness, imbalance, summary_imbalance
 from moebalance._check import as_loads, to_numpy
-from strategies import loads, placement_cases
 
 torch = pytest.importorskip("torch")
 
 # 3 devices (speeds 1, 2, 0.5; slots 2, 2, 1), 3 experts:
-#   device 0 holds experts 0 (share .5), 1 (.25); device 1 holds 2 (1), 0 (.5); device 2 holds 1 (.75).
+#   device 0 holds experts 0 (share .5), 1 (.25); device 1 holds 2 (1), 0 (.5); device 2 holds 1
+# (.75).
 TOPO = Topology([Device(1.0, 2, 0), Device(2.0, 2, 0), Device(0.5, 1, 1)])
 PLACEMENT = Placement([[0, 1, 2, 0, 1]], [[0.5, 0.25, 1.0, 0.5, 0.75]], TOPO.slot_device, 3)
 LOADS = np.array([[4.0, 2.0, 6.0]])  # device loads 2.5, 8, 1.5 (sum 12)
@@ -124,7 +125,7 @@ def test_metrics_return_one_float64_per_layer():
     assert type(summary_imbalance(w, p, TOPO)) is float
 
 
-# -- properties ---------------------------------------------------------------------------------------
+# -- properties ------------------------------------------------------------------------------------
 
 @given(placement_cases(max_devices=6, max_slots=4, max_layers=3))
 def test_metrics_match_a_brute_force_loop(case):
@@ -208,7 +209,7 @@ def test_imbalance_ignores_the_units_of_load_and_speed(case, scale):
                                rtol=1e-9)
 
 
-# -- input types ------------------------------------------------------------------------------------------
+# -- input types -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [
     lambda a: a.tolist(),
@@ -263,7 +264,7 @@ def test_metrics_accept_cupy_and_cuda_tensors():
                                expected)
 
 
-# -- bad input: invariant 7 ---------------------------------------------------------------------------
+# -- bad input: invariant 7 ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, message", [
     ([[4.0, np.nan, 6.0]], r"loads must be finite; found nan at \[layer 0, expert 1\]"),

@@ -1,13 +1,14 @@
-"""plan_migration (numpy only): every changed slot gets one row from a holder, kept experts stay put."""
+"""plan_migration (numpy only): every changed slot gets one row from a holder, kept experts stay
+put."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_dispatcher_distributed import random_placement
 
 import moebalance as mb
 from moebalance.migrate import align_slots, plan_migration
-from test_dispatcher_distributed import random_placement
 
 SLOTS = [3, 4, 2, 3, 4]
 
@@ -29,7 +30,8 @@ def test_every_changed_slot_gets_one_row_from_a_holder(seed):
     plan = plan_migration(old, new)
     starts = np.searchsorted(old.slot_device, np.arange(old.num_devices + 1))
     changed = {(l, s) for l, s in zip(*np.nonzero(plan.target.phy2log != old.phy2log))}
-    got = {(int(l), int(starts[d] + s)) for l, d, s in zip(plan.layer_M, plan.dst_rank_M, plan.dst_slot_M)}
+    got = {(int(l), int(starts[d] + s)) for l, d,
+           s in zip(plan.layer_M, plan.dst_rank_M, plan.dst_slot_M)}
     assert got == changed and len(got) == plan.layer_M.size
     for l, e, sr, ss in zip(plan.layer_M, plan.expert_M, plan.src_rank_M, plan.src_slot_M):
         assert old.phy2log[l, starts[sr] + ss] == e          # the source holds the expert now

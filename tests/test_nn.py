@@ -13,7 +13,13 @@ from torch.testing import assert_close
 
 from moebalance.backends import using_backend
 from moebalance.dispatch import Dispatcher, DispatchHandle
-from moebalance.nn.moe import DenseMoE, ExpertParallelMoE, TopKRouter, reduce_replica_gradients, swiglu
+from moebalance.nn.moe import (
+    DenseMoE,
+    ExpertParallelMoE,
+    TopKRouter,
+    reduce_replica_gradients,
+    swiglu,
+)
 from moebalance.placement import Placement
 
 D, F = 16, 12

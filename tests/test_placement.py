@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-
-from moebalance import Device, Placement, Topology
 from strategies import placement_cases, placements, topologies
 
+from moebalance import Device, Placement, Topology
+
 # A small heterogeneous example used throughout: 3 devices with 2, 2 and 1 slots, 3 experts.
-#   device 0: slots 0-1 hold experts 0, 1     device 1: slots 2-3 hold 2, 0     device 2: slot 4 holds 1
-# Expert 0 splits 50/50 over slots 0 and 3, expert 1 25/75 over slots 1 and 4, expert 2 sits in slot 2.
+#   device 0: slots 0-1 hold experts 0, 1   device 1: slots 2-3 hold 2, 0   device 2: slot 4 holds 1
+# Expert 0 splits 50/50 over slots 0 and 3, expert 1 25/75 over slots 1 and 4, expert 2 sits in slot
+# 2.
 TOPO = Topology([Device(1.0, 2, 0), Device(2.0, 2, 0), Device(0.5, 1, 1)])
 PHY2LOG = [[0, 1, 2, 0, 1]]
 SHARE = [[0.5, 0.25, 1.0, 0.5, 0.75]]
@@ -67,7 +68,7 @@ def brute_force_moves(new: Placement, old: Placement) -> int:
     return total
 
 
-# -- construction -------------------------------------------------------------------------------------
+# -- construction ----------------------------------------------------------------------------------
 
 def test_constructor_normalises_dtypes_and_makes_arrays_read_only():
     p = Placement([[0, 1]], [[1, 1]], [0, 1], np.int64(2))
@@ -95,11 +96,15 @@ def test_placement_does_not_alias_or_freeze_the_callers_arrays():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(phy2log=[0, 1], share=[1.0, 1.0], slot_device=[0, 1]), r"phy2log must have shape"),
-    (dict(phy2log=[[[0, 1]]], share=[[[1.0, 1.0]]], slot_device=[0, 1]), r"phy2log must have shape"),
-    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0, 1.0]], slot_device=[0, 1]), r"share must have the shape"),
+    (dict(phy2log=[[[0, 1]]], share=[[[1.0, 1.0]]], slot_device=[0, 1]),
+     r"phy2log must have shape"),
+    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0, 1.0]], slot_device=[0, 1]),
+     r"share must have the shape"),
     (dict(phy2log=[[0, 1]], share=[1.0, 1.0], slot_device=[0, 1]), r"share must have the shape"),
-    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0]], slot_device=[0, 1, 2]), r"slot_device must have shape"),
-    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0]], slot_device=[[0, 1]]), r"slot_device must have shape"),
+    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0]], slot_device=[0, 1, 2]),
+     r"slot_device must have shape"),
+    (dict(phy2log=[[0, 1]], share=[[1.0, 1.0]], slot_device=[[0, 1]]),
+     r"slot_device must have shape"),
 ])
 def test_constructor_rejects_wrong_shapes_naming_the_array(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -116,7 +121,7 @@ def test_constructor_rejects_fractional_num_experts():
         Placement([[0, 1]], [[1.0, 1.0]], [0, 1], 2.9)
 
 
-# -- validate: invariant 1 ---------------------------------------------------------------------------
+# -- validate: invariant 1 -------------------------------------------------------------------------
 
 def test_validate_accepts_the_example_and_returns_the_placement():
     p = example()
@@ -149,7 +154,8 @@ def test_validate_accepts_zero_shares_and_rounding_within_tolerance():
      r"expert 2 of layer 0 has no replica"),
     (dict(phy2log=[[0, 1, 2, 0, 3]]), r"phy2log\[0, 4\] = 3 is not an expert in \[0, 3\)"),
     (dict(phy2log=[[0, 1, 2, 0, -1]]), r"phy2log\[0, 4\] = -1 is not an expert"),
-    (dict(share=[[0.5, 0.25, 1.0, 0.5, 0.5]]), r"shares of expert 1 in layer 0 sum to .*0\.75.*, not 1"),
+    (dict(share=[[0.5, 0.25, 1.0, 0.5, 0.5]]),
+     r"shares of expert 1 in layer 0 sum to .*0\.75.*, not 1"),
     (dict(share=[[0.5, 0.25, 1.0, 0.5, 0.75 + 1e-6]]), r"shares of expert 1 in layer 0 sum to"),
     (dict(share=[[0.5, 0.25, 0.0, 0.5, 0.75]]), r"shares of expert 2 in layer 0 sum to .*0\.0"),
     (dict(share=[[1.5, 0.25, 1.0, -0.5, 0.75]]), r"share\[0, 3\] = -0\.5 must be >= 0"),
@@ -168,7 +174,8 @@ def test_constructor_rejects_each_broken_content_rule_naming_it(changes, message
 
 def test_doubled_shares_are_refused_at_construction_with_the_fix():
     p = example()
-    with pytest.raises(ValueError, match=r"share: .* sum to 2\.0, not 1; .*divide them by their sum"):
+    with pytest.raises(ValueError,
+                       match=r"share: .* sum to 2\.0, not 1; .*divide them by their sum"):
         Placement(p.phy2log, p.share * 2, p.slot_device, p.num_experts)
 
 
@@ -224,7 +231,7 @@ def test_constructor_rejects_a_random_placement_missing_an_expert(case, data):
         Placement(phy2log, p.share, p.slot_device, p.num_experts)
 
 
-# -- replicas and log2phy ----------------------------------------------------------------------------
+# -- replicas and log2phy --------------------------------------------------------------------------
 
 def test_replicas_and_log2phy_of_the_example():
     p = example()
@@ -264,7 +271,7 @@ def test_zero_layer_placement_has_an_empty_log2phy():
     assert p.log2phy().shape == (0, 2, 1)
 
 
-# -- device_loads ------------------------------------------------------------------------------------
+# -- device_loads ----------------------------------------------------------------------------------
 
 def test_device_loads_of_the_example_by_hand():
     # slot loads: 4*.5, 2*.25, 6*1, 4*.5, 2*.75  ->  devices 2+.5, 6+2, 1.5
@@ -282,7 +289,7 @@ def test_device_loads_reject_loads_for_another_shape():
         example().device_loads(np.ones((2, 3)))
 
 
-# -- moves ---------------------------------------------------------------------------------------------
+# -- moves -----------------------------------------------------------------------------------------
 
 def test_moves_from_itself_is_zero():
     assert example().moves_from(example()) == 0
@@ -385,7 +392,7 @@ def test_moves_from_a_non_placement_raises_type_error(previous):
         example().moves_from(previous)
 
 
-# -- save / load ---------------------------------------------------------------------------------------
+# -- save / load -----------------------------------------------------------------------------------
 
 def test_save_load_round_trip(tmp_path):
     p = example(phy2log=PHY2LOG * 2, share=SHARE * 2)
@@ -447,7 +454,7 @@ def test_load_rejects_an_archive_that_is_not_a_placement(tmp_path):
         Placement.load(tmp_path / "other.npz")
 
 
-# -- equality ------------------------------------------------------------------------------------------
+# -- equality --------------------------------------------------------------------------------------
 
 def test_equality_compares_every_array_and_num_experts():
     p = example()

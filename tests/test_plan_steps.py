@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import placement_cases
 
 import moebalance as mb
 from moebalance.planner import MoveCost, _jit, steps
 from moebalance.planner.core import MAX_SWEEPS, devices_of
 from moebalance.planner.steps import JUDGE_SWEEPS, sampled
-from strategies import placement_cases
 
 
 def _window(rng, base_LE, steps_, sigma=0.4):

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from strategies import loads as loads_strategy
+from strategies import placement_cases, topologies
 
 import moebalance as mb
 from moebalance.planner import MoveCost
-from strategies import loads as loads_strategy
-from strategies import placement_cases, topologies
 
 
 def _device_times(loads, p: mb.Placement, topo: mb.Topology) -> np.ndarray:
@@ -196,7 +196,8 @@ def test_drift_moves_few_experts_and_stays_balanced(rng):
     p = mb.plan(drifted, topo, previous=previous)
     fresh = mb.plan(drifted, topo)
     assert p.moves_from(previous) <= 0.10 * previous.phy2log.size
-    assert mb.summary_imbalance(drifted, p, topo) <= mb.summary_imbalance(drifted, fresh, topo) + 0.01
+    assert (mb.summary_imbalance(drifted, p, topo)
+            <= mb.summary_imbalance(drifted, fresh, topo) + 0.01)
 
 
 def test_faster_devices_carry_more_tokens(rng):

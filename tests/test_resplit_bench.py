@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moebalance.lab.bench import resplit
 from moebalance.cli.main import main as cli_main
+from moebalance.lab.bench import resplit
 
 
 def test_run_trace_scores_every_following_step_above_the_lp_floor():

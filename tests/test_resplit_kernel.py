@@ -14,8 +14,12 @@ from strategies import placement_cases
 import moebalance as mb
 from moebalance.backends import has_cupy_gpu, using_backend
 from moebalance.dispatch.routing import replica_table
-from moebalance.dispatch.shares import (optimal_max_time, resplit_plan, resplit_shares,
-                                        resplit_shares_torch)
+from moebalance.dispatch.shares import (
+    optimal_max_time,
+    resplit_plan,
+    resplit_shares,
+    resplit_shares_torch,
+)
 from moebalance.planner import _jit
 from moebalance.planner.core import MAX_SWEEPS, devices_of
 

@@ -12,8 +12,14 @@ from strategies import placement_cases
 
 from moebalance import Placement, Topology
 from moebalance.dispatch.routing import replica_table
-from moebalance.dispatch.shares import (RESPLIT_SWEEPS, _colour_classes, device_loads,
-                                        optimal_max_time, resplit_plan, resplit_shares)
+from moebalance.dispatch.shares import (
+    RESPLIT_SWEEPS,
+    _colour_classes,
+    device_loads,
+    optimal_max_time,
+    resplit_plan,
+    resplit_shares,
+)
 from moebalance.planner import _jit
 from moebalance.planner.core import devices_of
 

@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from moebalance.lab.bench.simcheck import (TraceRouter, calibration_cluster, load_calibration,
-                                            pair_counts, trace_topk_ids)
+from moebalance.lab.bench.simcheck import (
+    TraceRouter,
+    calibration_cluster,
+    load_calibration,
+    pair_counts,
+    trace_topk_ids,
+)
 from moebalance.lab.sim.cluster import load_cluster
 from moebalance.lab.sim.stepmodel import StepModel
 

@@ -11,16 +11,35 @@ import pytest
 
 import moebalance as mb
 from moebalance.cli import main as cli
-from moebalance.planner import _jit
-from moebalance.planner.core import MAX_SWEEPS, devices_of
-from moebalance.lab.sim.cluster import (CLUSTER_PRESETS, GPU_KINDS, MODELS, ClusterSpec, GPUKind,
-                                           ModelShape, cluster_preset, load_cluster, load_model)
-from moebalance.lab.sim.policies import (EPLBPeriodic, MoebalancePeriodic, Oracle,
-                                            StaticUniform, default_policies)
+from moebalance.lab.sim.cluster import (
+    CLUSTER_PRESETS,
+    GPU_KINDS,
+    MODELS,
+    ClusterSpec,
+    GPUKind,
+    ModelShape,
+    cluster_preset,
+    load_cluster,
+    load_model,
+)
+from moebalance.lab.sim.policies import (
+    EPLBPeriodic,
+    MoebalancePeriodic,
+    Oracle,
+    StaticUniform,
+    default_policies,
+)
 from moebalance.lab.sim.run import move_price, scale_trace, simulate
 from moebalance.lab.sim.stepmodel import EXCHANGES, StepModel
-from moebalance.lab.sim.traces import (Dynamics, default_dynamics, fit_dynamics,
-                                          generate_trace, read_trace)
+from moebalance.lab.sim.traces import (
+    Dynamics,
+    default_dynamics,
+    fit_dynamics,
+    generate_trace,
+    read_trace,
+)
+from moebalance.planner import _jit
+from moebalance.planner.core import MAX_SWEEPS, devices_of
 
 # A small model: 4 layers of 16 experts, top-2; every device holds every layer.
 SMALL = ModelShape("small", num_layers=4, num_experts=16, top_k=2, hidden=64, ffn=128,
@@ -58,7 +77,8 @@ def test_cluster_round_trips_through_json_and_toml(tmp_path):
     toml = tmp_path / "lab.toml"
     toml.write_text('name = "lab"\n[kinds.Slow]\nflops = 1e14\nmemory = 4.8e10\n'
                     'intra_bandwidth = 3e10\ninter_bandwidth = 1e10\n'
-                    '[[nodes]]\nkind = "H100"\ndevices = 4\n[[nodes]]\nkind = "Slow"\ndevices = 4\n')
+                    '[[nodes]]\nkind = "H100"\ndevices = 4\n[[nodes]]\nkind = "Slow"\ndevices = '
+                    '4\n')
     lab = load_cluster(toml)
     assert lab.kinds == ("H100",) * 4 + ("Slow",) * 4 and lab.nodes == (0,) * 4 + (1,) * 4
     assert lab.catalogue["Slow"].flops == 1e14
@@ -280,7 +300,7 @@ def small_run():
 
 def test_every_policy_runs_and_its_terms_add_up(small_run):
     sim, counts = small_run
-    assert [r.name for r in sim.runs][0] == "static uniform" and sim.runs[-1].name == "oracle (bound)"
+    assert sim.runs[0].name == "static uniform" and sim.runs[-1].name == "oracle (bound)"
     for run in sim.runs:
         assert run.step_seconds.shape == (60,)
         np.testing.assert_allclose(sum(run.terms.values()), run.step_seconds)

@@ -88,7 +88,8 @@ def test_compute_and_rest_use_the_speed_of_the_step():
     # imbalance at the speeds run: hottest max(300 / 1, 100 / 0.5) = 300 over 400 / 1.5
     imbalance = sm.imbalance(np.array([[[300.0, 100.0]]]), np.array([[1.0, 0.5]]))
     assert imbalance[0] == pytest.approx(300 / (400 / 1.5))
-    np.testing.assert_allclose(sm.compute_seconds(loads), sm.compute_seconds(loads, np.ones((2, 2))))
+    np.testing.assert_allclose(sm.compute_seconds(loads),
+                               sm.compute_seconds(loads, np.ones((2, 2))))
 
 
 # -- policies -------------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
 from moebalance.nn.moe import ExpertParallelMoE
 from moebalance.speeds import BACKWARD_WORK, ExpertTimer, SpeedTracker
-
 
 # -- the tracker, on one process ----------------------------------------------------------------
 

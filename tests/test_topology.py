@@ -9,10 +9,9 @@ import pickle
 import numpy as np
 import pytest
 from hypothesis import given
-
-from moebalance import Device, Topology
 from strategies import topologies
 
+from moebalance import Device, Topology
 
 # -- Device -------------------------------------------------------------------------------------
 
@@ -111,7 +110,7 @@ def test_slot_ranges_partition_the_slots_device_by_device(topo):
     assert np.all(np.diff(topo.slot_device) >= 0)
 
 
-# -- uniform ----------------------------------------------------------------------------------------
+# -- uniform ---------------------------------------------------------------------------------------
 
 def test_uniform_groups_devices_into_nodes():
     topo = Topology.uniform(num_devices=5, slots_per_device=3, devices_per_node=2, speed=2.0)
@@ -141,7 +140,7 @@ def test_uniform_rejects_bad_arguments(kwargs, name, error):
         Topology.uniform(**kwargs)
 
 
-# -- from_arrays / dict round trip ------------------------------------------------------------------
+# -- from_arrays / dict round trip -----------------------------------------------------------------
 
 def test_from_arrays_builds_the_same_topology_as_devices():
     topo = Topology.from_arrays(np.array([1.0, 0.5]), [4, 6], node=(0, 1))
@@ -214,7 +213,7 @@ def test_pickle_and_deepcopy_round_trip(topo):
         np.testing.assert_array_equal(other.slot_offsets, topo.slot_offsets)
 
 
-# -- equality and hashing ------------------------------------------------------------------------------
+# -- equality and hashing --------------------------------------------------------------------------
 
 def test_equal_topologies_hash_equal_and_work_as_keys():
     a = Topology([Device(1, 2, 0), Device(0.5, 3, 1)])

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
 from moebalance.integrations.routers import find_routers
 from moebalance.tracker import LoadSnapshot
 
@@ -68,7 +68,8 @@ def test_counts_equal_numpy_bincount_for_every_int_dtype(dtype):
 
 def test_non_contiguous_ids_are_counted():
     tracker = mb.LoadTracker(1, E)
-    ids = torch.randint(0, E, (K, 40), generator=torch.Generator().manual_seed(2)).t()  # [40, K] strided
+    # [40, K], strided
+    ids = torch.randint(0, E, (K, 40), generator=torch.Generator().manual_seed(2)).t()
     tracker.record(0, ids)
     np.testing.assert_array_equal(tracker.counts()[0].numpy(), numpy_counts(ids.numpy(), E))
 
@@ -189,7 +190,8 @@ def test_record_calls_no_host_reading_tensor_method(monkeypatch):
 
     def forbidden(name):
         def method(*args, **kwargs):
-            raise AssertionError(f"record()/step() called Tensor.{name}, which reads data to the host")
+            raise AssertionError(f"record()/step() called Tensor.{name}, which reads data to the "
+                                 "host")
         return method
 
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
@@ -256,7 +258,8 @@ def test_bad_constructor_arguments_raise(kwargs, exc, match):
     (3, torch.zeros(4, 2, dtype=torch.long), ValueError, "layer"),
     (-1, torch.zeros(4, 2, dtype=torch.long), ValueError, "layer"),
     (torch.tensor(0), torch.zeros(4, 2, dtype=torch.long), TypeError, "layer"),
-    (0, torch.zeros(4, dtype=torch.long), ValueError, r"topk_ids must have shape \[num_tokens, top_k\]"),
+    (0, torch.zeros(4, dtype=torch.long), ValueError,
+     r"topk_ids must have shape \[num_tokens, top_k\]"),
     (0, torch.zeros(4, 2, 1, dtype=torch.long), ValueError, "topk_ids"),
     (0, torch.zeros(4, 2), TypeError, "integer expert ids"),
     (0, torch.zeros(4, 2, dtype=torch.bool), TypeError, "topk_ids"),
@@ -313,23 +316,29 @@ def tiny_moe_model(family: str, num_layers: int = 2, num_experts: int = 8):
     """A random-init transformers 5.x MoE causal LM with hidden 32 and vocabulary 128."""
     import transformers as tf
 
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     moe = dict(num_experts_per_tok=K)
     if family == "mixtral":
         config = tf.MixtralConfig(**common, **moe, num_local_experts=num_experts)
     elif family == "qwen2_moe":
-        config = tf.Qwen2MoeConfig(**common, **moe, num_experts=num_experts, moe_intermediate_size=32,
+        config = tf.Qwen2MoeConfig(**common, **moe, num_experts=num_experts,
+                                   moe_intermediate_size=32,
                                    shared_expert_intermediate_size=32)
     elif family == "qwen3_moe":
-        config = tf.Qwen3MoeConfig(**common, **moe, num_experts=num_experts, moe_intermediate_size=32, head_dim=8)
+        config = tf.Qwen3MoeConfig(**common, **moe, num_experts=num_experts,
+                                   moe_intermediate_size=32, head_dim=8)
     elif family == "olmoe":
-        config = tf.OlmoeConfig(**common, **moe, num_experts=num_experts, eos_token_id=None, pad_token_id=None)
+        config = tf.OlmoeConfig(**common, **moe, num_experts=num_experts, eos_token_id=None,
+                                pad_token_id=None)
     elif family == "deepseek_v3":
         # first_k_dense_replace=1: layer 0 is dense, so MoE layer 0 is decoder layer 1.
-        config = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, **moe, n_routed_experts=num_experts,
-                                     moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+        config = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, **moe,
+                                     n_routed_experts=num_experts,
+                                     moe_intermediate_size=32, n_group=2, topk_group=1,
+                                     first_k_dense_replace=1,
                                      n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     elif family == "gpt_oss":
@@ -341,7 +350,8 @@ def tiny_moe_model(family: str, num_layers: int = 2, num_experts: int = 8):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tf.AutoModelForCausalLM.from_config(config)
-    if family == "deepseek_v3":  # a non-zero correction bias makes the choice differ from top-k of logits
+    # a non-zero correction bias makes the choice differ from the top-k of the logits
+    if family == "deepseek_v3":
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, num_experts))
@@ -381,7 +391,8 @@ def test_attach_counts_equal_the_routers_chosen_ids(family):
         model(torch.randint(0, 128, (2, 7), generator=gen))
     moe_layers = sorted(captured)
     assert len(moe_layers) == 2
-    expected = np.stack([sum(numpy_counts(ids.numpy(), 8) for ids in captured[i]) for i in moe_layers])
+    expected = np.stack([sum(numpy_counts(ids.numpy(), 8) for ids in captured[i])
+                         for i in moe_layers])
     assert expected.sum() == 2 * 2 * 7 * K * 2  # 2 forwards x 14 tokens x K, per layer x 2 layers
     np.testing.assert_array_equal(tracker.counts().numpy(), expected)
 
@@ -413,7 +424,8 @@ def test_attach_records_deepseek_choice_not_topk_of_logits():
 
 def test_activation_checkpoint_recompute_is_not_counted_twice():
     model = tiny_moe_model("mixtral")
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable = (getattr(model, "activation_checkpointing_enable", None)
+              or model.gradient_checkpointing_enable)
     enable()
     model.train()
     tracker = mb.attach(model)
@@ -445,7 +457,8 @@ class MarkedRouter(nn.Module):
 class ToyMoE(nn.Module):
     def __init__(self, hidden=16, num_experts=6):
         super().__init__()
-        self.router = MarkedRouter(hidden, num_experts, 2)  # no `experts` sibling: the mark suffices
+        # no `experts` sibling: the mark suffices
+        self.router = MarkedRouter(hidden, num_experts, 2)
 
     def forward(self, x_TD):
         return x_TD + self.router(x_TD)[1].sum(-1, keepdim=True)

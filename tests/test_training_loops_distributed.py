@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-import moebalance as mb
 from _dist import case_id, shared_spawn
-from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
 from test_live_rebalance_distributed import assert_replicas_identical
 
+import moebalance as mb
+from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
+
 WORLD = 4
-TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3], node=[0, 0, 1, 1])
+TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
+                                   node=[0, 0, 1, 1])
 SEQ, BATCH, STEPS, EVERY = 32, 4, 8, 3
 
 
@@ -100,7 +101,8 @@ def hf_trainer_callback_drives_a_migration():
 
         def forward(self, input_ids, labels=None):
             logits = self.lm(input_ids[:, :-1])
-            return {"loss": lm_loss(logits, input_ids[:, 1:], WORLD * BATCH * SEQ), "logits": logits}
+            return {"loss": lm_loss(logits, input_ids[:, 1:], WORLD * BATCH * SEQ),
+                    "logits": logits}
 
     model = HFModel()
     callback = RebalanceTrainerCallback(TOPOLOGY, every=EVERY)
@@ -112,7 +114,8 @@ def hf_trainer_callback_drives_a_migration():
         data = [{"input_ids": row} for row in _windows(dist.get_rank())]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        callbacks=[callback])
-        assert trainer.args.world_size == 1      # the Trainer itself does not wrap the experts in DDP
+        # the Trainer itself does not wrap the experts in DDP
+        assert trainer.args.world_size == 1
         trainer.train()
     check_migrated(callback.rebalancer, model)
 
@@ -144,7 +147,8 @@ if importlib.util.find_spec("transformers") is not None and importlib.util.find_
     CASES.append(hf_trainer_callback_drives_a_migration)
 
 
-dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0, collective_timeout_s=60.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0,
+                            collective_timeout_s=60.0)
 
 
 @pytest.mark.distributed

@@ -26,7 +26,8 @@ def test_gradient_tags_stay_in_their_space():
     phy2log = np.array([0, 1, 0, 1])
     slot_device = np.array([0, 0, 1, 1])
     exchange = HolderExchange(phy2log, slot_device, rank=0, tag=3)
-    tags = [exchange._tag(kind, phase) for kind in range(wire.GRAD_SYNC_TAG_KINDS) for phase in (0, 1)]
+    tags = [exchange._tag(kind, phase) for kind in range(wire.GRAD_SYNC_TAG_KINDS)
+            for phase in (0, 1)]
     assert all(t in wire.tag_space("grad_sync") for t in tags)
     with pytest.raises(ValueError, match="tag space"):
         HolderExchange(phy2log, slot_device, rank=0, tag=10**7)
@@ -35,6 +36,7 @@ def test_gradient_tags_stay_in_their_space():
 def test_migration_tags_stay_in_their_space():
     last = (wire.MIGRATION_TAG_BASE
             + (wire.MIGRATION_NUMBERS - 1) * wire.MIGRATION_TAG_LAYERS * wire.MIGRATION_TAG_KINDS
-            + (wire.MIGRATION_TAG_LAYERS - 1) * wire.MIGRATION_TAG_KINDS + wire.MIGRATION_TAG_KINDS - 1)
+            + (wire.MIGRATION_TAG_LAYERS - 1) * wire.MIGRATION_TAG_KINDS
+            + wire.MIGRATION_TAG_KINDS - 1)
     assert wire.MIGRATION_TAG_BASE in wire.tag_space("migration")
     assert last in wire.tag_space("migration")

@@ -9,8 +9,17 @@ import pytest
 
 from moebalance import Topology
 from moebalance.lab import workloads
-from moebalance.lab.workloads import (CLUSTERS, SKEWS, Skew, cluster, drift, synthetic_loads,
-                                  trace_clusters, trace_loads, trace_names)
+from moebalance.lab.workloads import (
+    CLUSTERS,
+    SKEWS,
+    Skew,
+    cluster,
+    drift,
+    synthetic_loads,
+    trace_clusters,
+    trace_loads,
+    trace_names,
+)
 
 SMALL = dict(num_layers=6, num_experts=64, num_groups=8, top_k=4, tokens=2048)
 
@@ -25,7 +34,8 @@ def test_synthetic_loads_default_is_deepseek_v3_sized():
 
 @pytest.mark.parametrize("skew", sorted(SKEWS))
 def test_synthetic_loads_same_seed_same_loads(skew):
-    np.testing.assert_array_equal(synthetic_loads(skew, 7, **SMALL), synthetic_loads(skew, 7, **SMALL))
+    np.testing.assert_array_equal(synthetic_loads(skew, 7, **SMALL),
+                                  synthetic_loads(skew, 7, **SMALL))
 
 
 def test_synthetic_loads_different_seeds_differ():
@@ -182,7 +192,8 @@ def test_qwen3_moe_trace_is_a_different_routing_from_mixtral():
     mixtral, mixtral_meta = trace_loads("mixtral")
     qwen, qwen_meta = trace_loads("qwen3_moe")
     assert qwen_meta["family"] == "qwen3_moe" and qwen_meta["config"]["norm_topk_prob"] is True
-    assert qwen_meta["config"]["num_experts_per_tok"] != mixtral_meta["config"]["num_experts_per_tok"]
+    top_k = "num_experts_per_tok"
+    assert qwen_meta["config"][top_k] != mixtral_meta["config"][top_k]
     assert mixtral.shape[1:] == qwen.shape[1:] and not np.array_equal(mixtral, qwen)
 
 

@@ -15,13 +15,13 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import case_id, shared_spawn
+from test_dispatcher_distributed import random_placement
+from test_tracker import FAMILIES, tiny_moe_model
 from torch.testing import assert_close
 
 import moebalance as mb
-from _dist import case_id, shared_spawn
 from moebalance.nn.slots import moe_layers
-from test_dispatcher_distributed import random_placement
-from test_tracker import FAMILIES, tiny_moe_model
 
 WORLD = 4
 SLOTS = [3, 4, 2, 3]
@@ -61,7 +61,8 @@ def check_family(family: str):
     out.loss.backward()
     ref_params = dict(reference.named_parameters())
     for name, p in wrapped.named_parameters():
-        layer = next((m for m in moe_layers(wrapped) if any(q is p for q in m.slot_parameters())), None)
+        layer = next((m for m in moe_layers(wrapped) if any(q is p for q in m.slot_parameters())),
+                     None)
         expected = ref_params[name].grad
         if layer is not None:
             expected = expected.index_select(0, torch.tensor(layer.local_experts))
@@ -97,7 +98,8 @@ def check_family(family: str):
     with torch.no_grad():
         assert_close(plain(input_ids=mine(ids)).logits, wrapped(input_ids=mine(ids)).logits,
                      rtol=1e-5, atol=1e-6)
-        assert_close(plain(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+        assert_close(plain(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4,
+                     atol=1e-5)
     assert set(plain.state_dict()) == set(reference.state_dict())
 
 
@@ -144,7 +146,8 @@ def wrap_rejects_bad_input():
     with pytest.raises(ValueError, match="fewer than the 8 experts"):
         mb.wrap(tiny_moe_model("mixtral"), mb.Topology.uniform(num_devices=4, slots_per_device=1))
     with pytest.raises(ValueError, match="one row per MoE block"):
-        mb.wrap(tiny_moe_model("mixtral"), TOPOLOGY, placement=random_placement(1, 8, SLOTS, num_layers=3))
+        mb.wrap(tiny_moe_model("mixtral"), TOPOLOGY,
+                placement=random_placement(1, 8, SLOTS, num_layers=3))
     with pytest.raises(ValueError, match="4 ranks"):
         mb.wrap(tiny_moe_model("mixtral"), mb.Topology.uniform(num_devices=2, slots_per_device=8))
     model = mb.wrap(tiny_moe_model("mixtral"), TOPOLOGY)
@@ -154,11 +157,12 @@ def wrap_rejects_bad_input():
 
 CASES = []
 if importlib.util.find_spec("transformers") is not None:
-    CASES = [_case(f) for f in FAMILIES] + [save_pretrained_writes_a_checkpoint_from_pretrained_loads,
-                                            wrap_rejects_bad_input]
+    CASES = [_case(f) for f in FAMILIES] + [
+        save_pretrained_writes_a_checkpoint_from_pretrained_loads, wrap_rejects_bad_input]
 
 
-dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0, collective_timeout_s=60.0)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0,
+                            collective_timeout_s=60.0)
 
 
 @pytest.mark.distributed
