@@ -315,8 +315,7 @@ class Dispatcher:
                 self._states.popitem(last=False)
         else:
             self._states.move_to_end(id(placement))
-        index(layer, f"layer (of this placement's {placement.num_layers} layers)",
-              placement.num_layers)
+        index(layer, "layer", placement.num_layers)
         return state
 
     def local_slots(self, placement: Placement, layer: int = 0) -> range:
