@@ -21,7 +21,19 @@ from ..placement import Placement
 from ..topology import Topology, planning_loads
 
 # every kernel module, so that every kernel is registered before any compile
-from . import _jit, chain, counts, eplb, fresh, improve, packing, repair, shares, steps  # noqa: F401
+from . import (  # noqa: F401
+    _jit,
+    chain,
+    counts,
+    eplb,
+    fresh,
+    improve,
+    packing,
+    relabel,
+    repair,
+    shares,
+    steps,
+)
 from .core import MAX_SWEEPS, devices_of
 from .eplb import rebalance_experts
 

@@ -32,7 +32,9 @@ from below whatever the shares. Hence the rule (:func:`step_layer`):
 
 ``plan()`` keeps, per layer, whichever candidate (the plan for the steps, the window-mean
 plan and, with ``previous``, the placement in service and its repair) finishes the window's
-sampled steps earliest after the re-split (:func:`.shares.step_times`).
+sampled steps earliest after the re-split (:func:`.shares.step_times`). With ``previous``, the
+new plan's devices are first matched to the placement in service (:func:`.relabel.relabel_to`),
+so its moves are only those its balance needs.
 
 Shapes: T steps, E experts, G devices, S slots (grouped by device), L layers.
 """
@@ -47,6 +49,7 @@ from .chain import holds_expert
 from .core import MAX_SWEEPS, devices_of
 from .counts import replica_counts
 from .packing import add_valves
+from .relabel import relabel_to
 from .repair import layer_moves, repair_towards
 from .shares import balance_shares, device_loads, max_time
 
@@ -359,6 +362,9 @@ def best_for_steps(k, w, counts_TLE, topology: Topology, fresh, previous, max_mo
         return best_p, best_s
     E = w.shape[1]
     ideal = w.sum(axis=1) / topology.speed.sum()
+    # the new plan's equal devices (and slots) renamed to keep experts where they are: same
+    # balance, far fewer moves
+    best_p, best_s = relabel_to(k, best_p, best_s, previous, topology)
     rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, fresh, max_moves,
                                                      tolerance)
     # options per layer: 0 the placement in service (shares re-split), 1 its repair, 2 fresh
