@@ -96,6 +96,29 @@ def relabel_layer(new_p, new_s, old_p, dev, target, out_p, out_s):
             taken[i] = True
 
 
+@kernel
+def layer_overlaps(new_P, old_P, dev, num_experts):
+    """[L, G, G] int64: :func:`device_overlap` of every layer of ``new_P`` / ``old_P`` [L, S]."""
+    L = new_P.shape[0]
+    G = dev.slot_offsets.shape[0] - 1
+    out = np.empty((L, G, G), dtype=np.int64)
+    for layer in range(L):
+        out[layer] = device_overlap(new_P[layer], old_P[layer], dev, num_experts)
+    return out
+
+
+@kernel
+def relabel_layers(new_P, new_S, old_P, dev, target_LG):
+    """:func:`relabel_layer` of every layer, device ``g`` of layer ``l`` to ``target_LG[l,
+    g]``: (phy2log, share) [L, S]."""
+    out_p = np.empty_like(new_P)
+    out_s = np.empty_like(new_S)
+    for layer in range(new_P.shape[0]):
+        relabel_layer(new_P[layer], new_S[layer], old_P[layer], dev, target_LG[layer],
+                      out_p[layer], out_s[layer])
+    return out_p, out_s
+
+
 def device_classes(topology: Topology) -> list[np.ndarray]:
     """The devices of ``topology`` grouped by equal (speed, slots): index arrays, ascending,
     of the classes with more than one device (the only ones a relabelling can permute)."""
@@ -111,20 +134,14 @@ def relabel_to(k, phy2log, share, previous, topology: Topology):
     such a permutation allows stay where ``previous`` (a Placement) holds them; the balance is
     the same. Returns new (phy2log, share) [L, S] arrays."""
     dev = devices_of(topology)
-    classes = device_classes(topology)
     L = phy2log.shape[0]
-    G = topology.num_devices
-    E = previous.num_experts
-    out_p = np.empty_like(phy2log)
-    out_s = np.empty_like(share)
-    for layer in range(L):
-        target = np.arange(G, dtype=np.int64)
-        if classes:
-            overlap = k.device_overlap(phy2log[layer], previous.phy2log[layer], dev, E)
-            for members in classes:
-                rows, cols = linear_sum_assignment(overlap[np.ix_(members, members)],
-                                                   maximize=True)
-                target[members[rows]] = members[cols]
-        k.relabel_layer(phy2log[layer], share[layer], previous.phy2log[layer], dev, target,
-                        out_p[layer], out_s[layer])
-    return out_p, out_s
+    target = np.tile(np.arange(topology.num_devices, dtype=np.int64), (L, 1))
+    classes = device_classes(topology)
+    if classes:
+        overlap = k.layer_overlaps(phy2log, previous.phy2log, dev, previous.num_experts)
+        for members in classes:
+            block = overlap[:, members[:, None], members[None, :]]
+            for layer in range(L):
+                rows, cols = linear_sum_assignment(block[layer], maximize=True)
+                target[layer, members[rows]] = members[cols]
+    return k.relabel_layers(phy2log, share, previous.phy2log, dev, target)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..topology import Topology
+from ._heap import heap_pop, heap_push, heap_replace_top
 from ._jit import kernel
 from .chain import holds_expert
 from .core import MAX_SWEEPS, devices_of
@@ -105,21 +106,23 @@ def single_slots(num_singles, dev):
     if num_singles > total_room:
         for g in range(G):
             room[g] = slots[g]
-    left = num_singles
-    # one at a time to the device furthest below its speed's share of the singles
+    # one at a time to the device furthest below its speed's share of the singles: the
+    # lowest (n + 1) / speed first, the lower index on ties (a heap of negated keys)
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        if room[g] > 0:
+            size = heap_push(keys, ids, size, -1.0 / speed[g], g)
     for _ in range(num_singles):
-        best = -1
-        best_key = 0.0
-        for g in range(G):
-            if n[g] < room[g]:
-                key = (n[g] + 1.0) / speed[g]
-                if best < 0 or key < best_key:
-                    best = g
-                    best_key = key
-        if best < 0:
+        if size == 0:
             break
-        n[best] += 1
-        left -= 1
+        g = ids[0]
+        n[g] += 1
+        if n[g] < room[g]:
+            heap_replace_top(keys, ids, size, -(n[g] + 1.0) / speed[g], g)
+        else:
+            size = heap_pop(keys, ids, size)
     return n
 
 
@@ -365,13 +368,21 @@ def best_for_steps(k, w, counts_TLE, topology: Topology, fresh, previous, max_mo
     # the new plan's equal devices (and slots) renamed to keep experts where they are: same
     # balance, far fewer moves
     best_p, best_s = relabel_to(k, best_p, best_s, previous, topology)
-    rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, fresh, max_moves,
-                                                     tolerance)
+    # the repair aims at the window-mean balance of the plan it competes with, not at the
+    # mean-optimal plan's: moves beyond that buy nothing on the steps and cost time
+    rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, (best_p, best_s),
+                                                     max_moves, tolerance)
     # options per layer: 0 the placement in service (shares re-split), 1 its repair, 2 fresh
     opt_p = np.stack([previous.phy2log, rep_p, best_p])
     opt_s = np.stack([kept_s, rep_s, best_s])
-    opt_t = np.stack([judged_times(k, counts_TLE, previous.phy2log, kept_s, topology),
-                      judged_times(k, counts_TLE, rep_p, rep_s, topology), best_t])
+    kept_t = judged_times(k, counts_TLE, previous.phy2log, kept_s, topology)
+    # a layer the repair left alone is the placement in service, shares and all: judged once
+    rep_t = kept_t.copy()
+    moved = rep_moves > 0
+    if moved.any():
+        rep_t[moved] = judged_times(k, np.ascontiguousarray(counts_TLE[:, moved]),
+                                    rep_p[moved], rep_s[moved], topology)
+    opt_t = np.stack([kept_t, rep_t, best_t])
     opt_m = np.stack([np.zeros_like(rep_moves), rep_moves,
                       layer_moves(best_p, previous.phy2log, topology, E)])
     price = 0.0 if move_cost is None else move_cost.per_move
