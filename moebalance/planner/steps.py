@@ -222,6 +222,13 @@ def unique_on_devices(slot_offsets, phy2log):
 
 
 @kernel
+def single_key(rigid, load, fair, speed):
+    """Where a single goes (the lowest first): a device's singles ``rigid`` and its mean
+    ``load`` above its ``fair`` share, weighted by :data:`SINGLE_WEIGHT`, per ``speed``."""
+    return (SINGLE_WEIGHT * rigid + (1.0 - SINGLE_WEIGHT) * (load - fair)) / speed
+
+
+@kernel
 def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
     """One layer's plan for the steps into ``out_p`` / ``out_s`` [S] (see the module
     docstring): replica counts from ``q`` [E] (pieces at most ``piece_cap`` of the fastest
@@ -281,20 +288,20 @@ def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
             load[slot_device[s]] += w[e] / placed[e]
             used[slot_device[s]] += 1
     # singles (and liquid experts the ring had no room for), largest first, each to the
-    # device with a free slot whose singles and mean load are lowest (see SINGLE_WEIGHT)
+    # device with a free slot whose singles and mean load are lowest (see SINGLE_WEIGHT),
+    # the lower index on ties: a heap of the devices with a free slot, keys negated
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        if used[g] < slots[g]:
+            size = heap_push(keys, ids, size, -single_key(rigid[g], load[g], total_w * speed[g]
+                                                          / total_speed, speed[g]), g)
     for i in range(E):
         e = by_q[i]
         if placed[e] > 0:
             continue
-        best = -1
-        best_key = 0.0
-        for g in range(G):
-            if used[g] < slots[g]:
-                key = (SINGLE_WEIGHT * rigid[g] + (1.0 - SINGLE_WEIGHT) * (
-                    load[g] - total_w * speed[g] / total_speed)) / speed[g]
-                if best < 0 or key < best_key:
-                    best = g
-                    best_key = key
+        best = ids[0]
         s = slot_offsets[best] + used[best]
         used[best] += 1
         out_p[s] = e
@@ -302,6 +309,11 @@ def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
         load[best] += w[e]
         rigid[best] += w[e]
         placed[e] = 1
+        if used[best] < slots[best]:
+            heap_replace_top(keys, ids, size, -single_key(
+                rigid[best], load[best], total_w * speed[best] / total_speed, speed[best]), best)
+        else:
+            size = heap_pop(keys, ids, size)
     # free slots last on every device, where add_valves expects them
     for g in range(G):
         k = slot_offsets[g]
