@@ -140,7 +140,8 @@ def relabel_to(k, phy2log, share, previous, topology: Topology):
     if classes:
         overlap = k.layer_overlaps(phy2log, previous.phy2log, dev, previous.num_experts)
         for members in classes:
-            block = overlap[:, members[:, None], members[None, :]]
+            block = (overlap if members.shape[0] == topology.num_devices
+                     else overlap[:, members[:, None], members[None, :]])
             for layer in range(L):
                 rows, cols = linear_sum_assignment(block[layer], maximize=True)
                 target[layer, members[rows]] = members[cols]

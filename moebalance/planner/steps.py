@@ -64,7 +64,11 @@ SINGLE_WEIGHT = 0.5
 STEP_SAMPLES = 8
 # Share sweeps of the re-split when judging candidates on those steps: they start from shares
 # balanced for the mean, and a ranking needs less precision than the dispatcher's re-split.
-JUDGE_SWEEPS = 4
+# Measured on the generated DeepSeek-V3 trace (58 x 256 on 64 devices, two seeds): 2 sweeps
+# instead of 4 judge about 40% faster and leave the chosen plans' per-step imbalance on the
+# next 100 steps within 0.002 (1.0894 / 1.0884 and 1.0844 / 1.0844 fresh / re-plan at 4;
+# 1.0894 / 1.0900 and 1.0844 / 1.0841 at 2); 6 sampled steps instead of 8 lost 0.008.
+JUDGE_SWEEPS = 2
 # (spread_k, piece_cap) of the plans for the steps tried per layer.
 STEP_SETTINGS = ((1.0, 0.25),)
 
