@@ -119,7 +119,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             tokens are re-split over them. With ``previous`` a layer changes only when that
             figure improves by more than ``tolerance`` (and pays for its moves under
             ``move_cost``, fits ``max_moves``); its candidates are then the placement in
-            service, its repair and the fresh plan.
+            service, its repair and the fresh plan, whose devices of equal speed and slots are
+            first renamed after the placement in service (:mod:`.relabel`: same balance, the
+            fewest moves such a renaming allows).
         tolerance: with ``previous``, a layer is left alone while its imbalance is within
             ``tolerance`` of what a fresh plan reaches (relative, 0.005 = 0.5%); above that,
             moves repair it, the layer with most tokens above its target first. A layer is
