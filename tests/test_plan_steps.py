@@ -167,3 +167,72 @@ def test_replan_if_it_pays_answers_none_when_moves_cost_more_than_they_save(rng)
     stepwise.validate(topo)
     with pytest.raises(TypeError, match="move_cost must be a moebalance.planner.MoveCost"):
         replan_if_it_pays(drifted, current, topo, 3.0)
+
+
+# -- few moves: a new plan's devices matched to the placement in service ---------------------
+
+
+def _shuffled_devices(p: mb.Placement, topo: mb.Topology, rng) -> mb.Placement:
+    """``p`` with, per layer, its devices permuted among those of equal speed and slots and
+    the slots of every device permuted: the same plan under other labels."""
+    phy2log, share = p.phy2log.copy(), p.share.copy()
+    offsets = topo.slot_offsets
+    for layer in range(p.num_layers):
+        perm = np.arange(topo.num_devices)
+        for speed in np.unique(topo.speed):
+            members = np.flatnonzero(topo.speed == speed)
+            perm[members] = rng.permutation(members)
+        for g, h in enumerate(perm):
+            local = rng.permutation(offsets[g + 1] - offsets[g])
+            phy2log[layer, offsets[h]:offsets[h + 1]] = p.phy2log[layer, offsets[g] + local]
+            share[layer, offsets[h]:offsets[h + 1]] = p.share[layer, offsets[g] + local]
+    return mb.Placement(phy2log, share, topo.slot_device, p.num_experts)
+
+
+def test_replan_moves_few_slots_where_a_fresh_plan_moves_most(rng):
+    """The placement in service is the window's own plan under other device labels, with one
+    heavy single swapped onto a slow device per layer: the re-plan undoes about that, where
+    the fresh plan (named its own way) moves most slots, and serves the steps as well."""
+    topo = mb.Topology.from_arrays([1.0] * 6 + [0.5] * 2, [4] * 8)
+    counts = _window(rng, _zipf(rng, 3, 20), 30)
+    w = counts.mean(axis=0)
+    fresh = mb.plan(counts, topo)
+    shuffled = _shuffled_devices(fresh, topo, rng)
+    phy2log = shuffled.phy2log.copy()
+    slow = topo.speed[topo.slot_device] < 1.0
+    for layer in range(phy2log.shape[0]):
+        single = np.bincount(phy2log[layer], minlength=w.shape[1])[phy2log[layer]] == 1
+        on_fast, on_slow = np.flatnonzero(single & ~slow), np.flatnonzero(single & slow)
+        a = on_fast[np.argmax(w[layer, phy2log[layer, on_fast]])]
+        b = on_slow[np.argmin(w[layer, phy2log[layer, on_slow]])]
+        phy2log[layer, [a, b]] = phy2log[layer, [b, a]]
+    previous = mb.Placement(phy2log, shuffled.share, topo.slot_device, fresh.num_experts)
+    previous.validate(topo)
+    again = mb.plan(counts, topo, previous=previous)
+    again.validate(topo)
+    assert fresh.moves_from(previous) > fresh.phy2log.size // 2
+    assert again.moves_from(previous) <= 2 * phy2log.shape[0]
+    assert np.all(_served(counts, again, topo) <= _served(counts, fresh, topo) * (1 + 1e-9))
+
+
+def test_relabel_moves_fewer_slots_at_the_same_balance(rng):
+    """Relabelling a window's plan to the plan of an earlier window of the same workload:
+    fewer moves, the same per-step hottest times and window-mean imbalance; the re-plan
+    moves fewer slots than the fresh plan."""
+    from moebalance.planner.relabel import relabel_to
+
+    topo = mb.Topology.from_arrays([1.0] * 6 + [0.5] * 2, [4] * 8)
+    base = _zipf(rng, 3, 20)
+    first, second = _window(rng, base, 30), _window(rng, base, 30)
+    previous, fresh = mb.plan(first, topo), mb.plan(second, topo)
+    for backend in ("numba", "numpy"):
+        p, s = relabel_to(_jit.kernels(backend), fresh.phy2log, fresh.share, previous, topo)
+        renamed = mb.Placement(p, s, topo.slot_device, fresh.num_experts)
+        renamed.validate(topo)
+        assert renamed.moves_from(previous) < fresh.moves_from(previous)
+        np.testing.assert_allclose(_served(second, renamed, topo), _served(second, fresh, topo),
+                                   rtol=1e-12)
+        np.testing.assert_allclose(mb.imbalance(second.mean(axis=0), renamed, topo),
+                                   mb.imbalance(second.mean(axis=0), fresh, topo), rtol=1e-12)
+    again = mb.plan(second, topo, previous=previous)
+    assert again.moves_from(previous) < 0.75 * fresh.moves_from(previous)

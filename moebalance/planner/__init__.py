@@ -21,7 +21,19 @@ from ..placement import Placement
 from ..topology import Topology, planning_loads
 
 # every kernel module, so that every kernel is registered before any compile
-from . import _jit, chain, counts, eplb, fresh, improve, packing, repair, shares, steps  # noqa: F401
+from . import (  # noqa: F401
+    _jit,
+    chain,
+    counts,
+    eplb,
+    fresh,
+    improve,
+    packing,
+    relabel,
+    repair,
+    shares,
+    steps,
+)
 from .core import MAX_SWEEPS, devices_of
 from .eplb import rebalance_experts
 
@@ -107,7 +119,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             tokens are re-split over them. With ``previous`` a layer changes only when that
             figure improves by more than ``tolerance`` (and pays for its moves under
             ``move_cost``, fits ``max_moves``); its candidates are then the placement in
-            service, its repair and the fresh plan.
+            service, its repair and the fresh plan, whose devices of equal speed and slots are
+            first renamed after the placement in service (:mod:`.relabel`: same balance, the
+            fewest moves such a renaming allows).
         tolerance: with ``previous``, a layer is left alone while its imbalance is within
             ``tolerance`` of what a fresh plan reaches (relative, 0.005 = 0.5%); above that,
             moves repair it, the layer with most tokens above its target first. A layer is

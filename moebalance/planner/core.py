@@ -39,7 +39,8 @@ order of the files:
    keeps the best plan.
 
 The plans for the steps of a window (:mod:`.steps`) and the EPLB drop-in (:mod:`.eplb`, counts
-and packing with equal shares) are built from the same steps.
+and packing with equal shares) are built from the same steps; :mod:`.relabel` renames a new
+plan's equal devices after the placement in service, so that its moves are few.
 
 Shapes: E experts, G devices, S slots (grouped by device), L layers.
 """

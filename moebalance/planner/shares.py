@@ -52,10 +52,18 @@ def balance_shares(w, dev, phy2log, share, load, max_sweeps):
     Updates ``share`` [S] and ``load`` [G] in place (load must match share on entry). Small
     layers (cheap, and where extreme speed ratios converge slowly) get 16x the sweeps.
     """
+    starts, members = expert_slots(phy2log, w.shape[0])
+    water_fill(w, dev, starts, members, share, load, max_sweeps)
+
+
+@kernel
+def water_fill(w, dev, starts, members, share, load, max_sweeps):
+    """:func:`balance_shares` on the placement's CSR of each expert's slots (``starts`` [E+1],
+    ``members`` [S], from :func:`expert_slots`), which callers re-splitting one placement for
+    many steps build once."""
     speed, slot_device = dev.speed, dev.slot_device
     E = w.shape[0]
     G = speed.shape[0]
-    starts, members = expert_slots(phy2log, E)
     valves = np.empty(E, dtype=np.int64)
     n_valves = 0
     max_rep = 1
@@ -69,7 +77,7 @@ def balance_shares(w, dev, phy2log, share, load, max_sweeps):
             n_valves += 1
     if n_valves == 0 or total <= 0.0:
         return
-    if phy2log.shape[0] * E <= EXHAUSTIVE_SIZE:
+    if members.shape[0] * E <= EXHAUSTIVE_SIZE:
         max_sweeps *= 16
     tol = SWEEP_TOL * total / G
     base = np.empty(max_rep, dtype=np.float64)
@@ -150,11 +158,12 @@ def step_times(counts_TLE, dev, phy2log, share, max_sweeps):
     out = np.zeros(L, dtype=np.float64)
     trial = np.empty(share.shape[1], dtype=np.float64)
     for layer in range(L):
+        starts, members = expert_slots(phy2log[layer], counts_TLE.shape[2])
         for t in range(T):
             w = counts_TLE[t, layer]
             trial[:] = share[layer]
             load = device_loads(w, dev, phy2log[layer], trial)
-            balance_shares(w, dev, phy2log[layer], trial, load, max_sweeps)
+            water_fill(w, dev, starts, members, trial, load, max_sweeps)
             out[layer] += max_time(load, speed)
         out[layer] /= T
     return out
@@ -169,11 +178,12 @@ def resplit_device_loads(counts_TE, dev, phy2log, share, max_sweeps):
     G = dev.speed.shape[0]
     out = np.zeros((T, G), dtype=np.float64)
     trial = np.empty(share.shape[0], dtype=np.float64)
+    starts, members = expert_slots(phy2log, counts_TE.shape[1])
     for t in range(T):
         w = counts_TE[t]
         trial[:] = share
         load = device_loads(w, dev, phy2log, trial)
-        balance_shares(w, dev, phy2log, trial, load, max_sweeps)
+        water_fill(w, dev, starts, members, trial, load, max_sweeps)
         out[t] = load
     return out
 

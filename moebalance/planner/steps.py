@@ -32,7 +32,9 @@ from below whatever the shares. Hence the rule (:func:`step_layer`):
 
 ``plan()`` keeps, per layer, whichever candidate (the plan for the steps, the window-mean
 plan and, with ``previous``, the placement in service and its repair) finishes the window's
-sampled steps earliest after the re-split (:func:`.shares.step_times`).
+sampled steps earliest after the re-split (:func:`.shares.step_times`). With ``previous``, the
+new plan's devices are first matched to the placement in service (:func:`.relabel.relabel_to`),
+so its moves are only those its balance needs.
 
 Shapes: T steps, E experts, G devices, S slots (grouped by device), L layers.
 """
@@ -42,11 +44,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..topology import Topology
+from ._heap import heap_pop, heap_push, heap_replace_top
 from ._jit import kernel
 from .chain import holds_expert
 from .core import MAX_SWEEPS, devices_of
 from .counts import replica_counts
 from .packing import add_valves
+from .relabel import relabel_to
 from .repair import layer_moves, repair_towards
 from .shares import balance_shares, device_loads, max_time
 
@@ -60,7 +64,11 @@ SINGLE_WEIGHT = 0.5
 STEP_SAMPLES = 8
 # Share sweeps of the re-split when judging candidates on those steps: they start from shares
 # balanced for the mean, and a ranking needs less precision than the dispatcher's re-split.
-JUDGE_SWEEPS = 4
+# Measured on the generated DeepSeek-V3 trace (58 x 256 on 64 devices, two seeds): 2 sweeps
+# instead of 4 judge about 40% faster and leave the chosen plans' per-step imbalance on the
+# next 100 steps within 0.002 (1.0894 / 1.0884 and 1.0844 / 1.0844 fresh / re-plan at 4;
+# 1.0894 / 1.0900 and 1.0844 / 1.0841 at 2); 6 sampled steps instead of 8 lost 0.008.
+JUDGE_SWEEPS = 2
 # (spread_k, piece_cap) of the plans for the steps tried per layer.
 STEP_SETTINGS = ((1.0, 0.25),)
 
@@ -102,21 +110,23 @@ def single_slots(num_singles, dev):
     if num_singles > total_room:
         for g in range(G):
             room[g] = slots[g]
-    left = num_singles
-    # one at a time to the device furthest below its speed's share of the singles
+    # one at a time to the device furthest below its speed's share of the singles: the
+    # lowest (n + 1) / speed first, the lower index on ties (a heap of negated keys)
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        if room[g] > 0:
+            size = heap_push(keys, ids, size, -1.0 / speed[g], g)
     for _ in range(num_singles):
-        best = -1
-        best_key = 0.0
-        for g in range(G):
-            if n[g] < room[g]:
-                key = (n[g] + 1.0) / speed[g]
-                if best < 0 or key < best_key:
-                    best = g
-                    best_key = key
-        if best < 0:
+        if size == 0:
             break
-        n[best] += 1
-        left -= 1
+        g = ids[0]
+        n[g] += 1
+        if n[g] < room[g]:
+            heap_replace_top(keys, ids, size, -(n[g] + 1.0) / speed[g], g)
+        else:
+            size = heap_pop(keys, ids, size)
     return n
 
 
@@ -216,6 +226,13 @@ def unique_on_devices(slot_offsets, phy2log):
 
 
 @kernel
+def single_key(rigid, load, fair, speed):
+    """Where a single goes (the lowest first): a device's singles ``rigid`` and its mean
+    ``load`` above its ``fair`` share, weighted by :data:`SINGLE_WEIGHT`, per ``speed``."""
+    return (SINGLE_WEIGHT * rigid + (1.0 - SINGLE_WEIGHT) * (load - fair)) / speed
+
+
+@kernel
 def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
     """One layer's plan for the steps into ``out_p`` / ``out_s`` [S] (see the module
     docstring): replica counts from ``q`` [E] (pieces at most ``piece_cap`` of the fastest
@@ -275,20 +292,20 @@ def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
             load[slot_device[s]] += w[e] / placed[e]
             used[slot_device[s]] += 1
     # singles (and liquid experts the ring had no room for), largest first, each to the
-    # device with a free slot whose singles and mean load are lowest (see SINGLE_WEIGHT)
+    # device with a free slot whose singles and mean load are lowest (see SINGLE_WEIGHT),
+    # the lower index on ties: a heap of the devices with a free slot, keys negated
+    keys = np.empty(G, dtype=np.float64)
+    ids = np.empty(G, dtype=np.int64)
+    size = 0
+    for g in range(G):
+        if used[g] < slots[g]:
+            size = heap_push(keys, ids, size, -single_key(rigid[g], load[g], total_w * speed[g]
+                                                          / total_speed, speed[g]), g)
     for i in range(E):
         e = by_q[i]
         if placed[e] > 0:
             continue
-        best = -1
-        best_key = 0.0
-        for g in range(G):
-            if used[g] < slots[g]:
-                key = (SINGLE_WEIGHT * rigid[g] + (1.0 - SINGLE_WEIGHT) * (
-                    load[g] - total_w * speed[g] / total_speed)) / speed[g]
-                if best < 0 or key < best_key:
-                    best = g
-                    best_key = key
+        best = ids[0]
         s = slot_offsets[best] + used[best]
         used[best] += 1
         out_p[s] = e
@@ -296,6 +313,11 @@ def step_layer(w, q, piece_cap, dev, max_sweeps, out_p, out_s):
         load[best] += w[e]
         rigid[best] += w[e]
         placed[e] = 1
+        if used[best] < slots[best]:
+            heap_replace_top(keys, ids, size, -single_key(
+                rigid[best], load[best], total_w * speed[best] / total_speed, speed[best]), best)
+        else:
+            size = heap_pop(keys, ids, size)
     # free slots last on every device, where add_valves expects them
     for g in range(G):
         k = slot_offsets[g]
@@ -359,13 +381,24 @@ def best_for_steps(k, w, counts_TLE, topology: Topology, fresh, previous, max_mo
         return best_p, best_s
     E = w.shape[1]
     ideal = w.sum(axis=1) / topology.speed.sum()
-    rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, fresh, max_moves,
-                                                     tolerance)
+    # the new plan's equal devices (and slots) renamed to keep experts where they are: same
+    # balance, far fewer moves
+    best_p, best_s = relabel_to(k, best_p, best_s, previous, topology)
+    # the repair aims at the window-mean balance of the plan it competes with, not at the
+    # mean-optimal plan's: moves beyond that buy nothing on the steps and cost time
+    rep_p, rep_s, kept_s, rep_moves = repair_towards(k, w, topology, previous, (best_p, best_s),
+                                                     max_moves, tolerance)
     # options per layer: 0 the placement in service (shares re-split), 1 its repair, 2 fresh
     opt_p = np.stack([previous.phy2log, rep_p, best_p])
     opt_s = np.stack([kept_s, rep_s, best_s])
-    opt_t = np.stack([judged_times(k, counts_TLE, previous.phy2log, kept_s, topology),
-                      judged_times(k, counts_TLE, rep_p, rep_s, topology), best_t])
+    kept_t = judged_times(k, counts_TLE, previous.phy2log, kept_s, topology)
+    # a layer the repair left alone is the placement in service, shares and all: judged once
+    rep_t = kept_t.copy()
+    moved = rep_moves > 0
+    if moved.any():
+        rep_t[moved] = judged_times(k, np.ascontiguousarray(counts_TLE[:, moved]),
+                                    rep_p[moved], rep_s[moved], topology)
+    opt_t = np.stack([kept_t, rep_t, best_t])
     opt_m = np.stack([np.zeros_like(rep_moves), rep_moves,
                       layer_moves(best_p, previous.phy2log, topology, E)])
     price = 0.0 if move_cost is None else move_cost.per_move
