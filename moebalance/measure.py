@@ -5,8 +5,8 @@
 * times its own expert arithmetic: the forward of ``layer.experts`` (or of SwiGLU experts of a
   given shape) on ``tokens`` rows spread over the slots, ``warmup`` untimed calls then
   ``repeats`` timed ones (CUDA events on GPUs, synchronised once at the end; the wall clock on
-  CPUs). On CPUs the ranks time *in turn* by default: ranks on one host share its cores, and
-  timed together they would measure the sharing, not the device;
+  CPUs). On CPUs the ranks time *in turn* by default (in rank order, then in reverse): ranks on
+  one host share its cores, and timed together they would measure the sharing, not the device;
 * reads the memory it can give to expert slots: ``memory`` bytes if given, else the free memory
   (``torch.cuda.mem_get_info`` on GPUs; ``MemAvailable`` over the ranks of the host on CPUs)
   less a ``reserve`` fraction for activations and the rest of the model; a slot costs its
@@ -232,13 +232,19 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
                          "in_turn= explicitly on every rank")
     started = time.perf_counter()
     if settings[0]["in_turn"]:
-        seconds = None
-        for turn in range(world):
-            if world > 1:
-                dist.barrier(group=group)
-            if turn == rank:
-                seconds = _time_experts(experts, D, timed_slots, dtype, dev, tokens, warmup,
-                                        repeats)
+        # Two rounds, in rank order and then in reverse, so that no rank is always timed in the
+        # same place (first after the start, next to the store's host): each rank's figure is
+        # the lower quartile over both rounds' repeats.
+        seconds = []
+        first = (repeats + 1) // 2
+        for order, count in ((range(world), first),
+                             (range(world - 1, -1, -1), repeats - first)):
+            for turn in order:
+                if world > 1:
+                    dist.barrier(group=group)
+                if turn == rank and count:
+                    seconds += _time_experts(experts, D, timed_slots, dtype, dev, tokens,
+                                             warmup, count)
         if world > 1:
             dist.barrier(group=group)
     else:
