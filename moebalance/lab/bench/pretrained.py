@@ -175,6 +175,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     elapsed = time.perf_counter() - started
     rows, ratios = [], []
     for ours, whole in zip(results["from_pretrained"], results["whole_then_wrap"]):
+        if whole["added_mb"] <= 0:
+            # ru_maxrss is the process's lifetime peak: a rank that had been higher before
+            # (a reused process) shows no rise at all
+            raise RuntimeError(f"rank {whole['rank']}'s peak memory did not rise while it loaded "
+                               f"the whole model, so there is nothing to compare against; run "
+                               f"'moebalance bench pretrained' in a fresh process")
         ratio = ours["added_mb"] / whole["added_mb"]
         ratios.append(ratio)
         rows.append([str(ours["rank"]), f"{ours['added_mb']:.0f}", f"{whole['added_mb']:.0f}",
