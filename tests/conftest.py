@@ -87,3 +87,32 @@ def run_moebalance(capfd):
         return rc, out, err
 
     return run
+
+
+# -- the examples: started in the background as the session starts, checked at its end -------------
+
+
+def _module_name(item) -> str | None:
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run test_examples' tests last: their launches run beside everything before them."""
+    items.sort(key=lambda item: _module_name(item) == "test_examples")
+
+
+def pytest_collection_finish(session):
+    """Start every selected example launch now, so that their ranks use the core the rest of
+    the suite (mostly one process) leaves idle."""
+    examples = [item for item in session.items if _module_name(item) == "test_examples"]
+    if examples and not session.config.option.collectonly:
+        examples[0].module.start_launches(session.items)
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    module = sys.modules.get("test_examples")
+    if module is not None:
+        module.stop_launches()

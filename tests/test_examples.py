@@ -1,13 +1,17 @@
 """The runnable examples run, end to end, as a user would run them, each at its ``--quick`` size.
 
-The launcher itself (spawning the ranks here, or one process per rank under torchrun, with the
-same losses) is checked on the examples whose every loop runs both ways: ``expert_parallel_gloo``
-and ``train_rebalance --loop all`` (the plain loop, DDP, the HF Trainer with its own DDP under
-torchrun and Lightning) start both runs at once and compare the ``mean training loss`` lines
-they print; ``frameworks_agree`` splits its loops between the two. The single-framework examples
-run once each, the way their own code differs most: ``hf_trainer_rebalance`` under torchrun (it
-hands the Trainer every rank's rows to shard), ``lightning_rebalance`` spawned (it sets
-LOCAL_RANK so Lightning joins the spawned ranks).
+Each launch costs every rank its imports (torch, its compiler stack on the first optimizer,
+Lightning), so every example runs once, under the launcher its own code differs for most, and
+the launchers are split between the examples that run every loop:
+
+* ``expert_parallel_gloo`` spawned and under torchrun at once: the same losses both ways (the
+  launcher itself: one process per rank under torchrun, four spawned ranks otherwise);
+* ``train_rebalance --loop all`` spawned: the plain loop, the user's DDP, the HF Trainer and
+  ``L.Trainer(devices=4, strategy="ddp")`` train alike (fp32) in the spawned ranks;
+* ``frameworks_agree`` under torchrun: the same four loops, fp64, equal losses to 1e-9, each
+  framework finding torchrun's ranks (the HF Trainer with its own DDP);
+* ``hf_trainer_rebalance`` under torchrun (it hands the Trainer every rank's rows to shard),
+  ``lightning_rebalance`` spawned (it sets LOCAL_RANK so Lightning joins the spawned ranks).
 """
 
 from __future__ import annotations
@@ -15,17 +19,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# Both runs of a pair must end within this (seconds). Idle, a pair takes well under a minute;
-# on a loaded 2-core machine several minutes. pytest-timeout's own limit sits just above it.
-TIMEOUT_S = 900
+# Every launch must end within this (seconds) of the session's start. Idle, each takes about a
+# minute; they run beside the rest of the suite on a 2-core machine, which takes several.
+# pytest-timeout's own limit sits just above it.
+TIMEOUT_S = 1500
 pair_timeout = pytest.mark.timeout(TIMEOUT_S + 60)
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
@@ -42,32 +49,97 @@ def _command(name: str, args, torchrun: bool, nproc: int = 4) -> list[str]:
     return [sys.executable, *launcher, str(EXAMPLES / name), *map(str, args)]
 
 
-def _run_all(name: str, runs) -> list[str]:
-    """stdout of each ``(args, torchrun)`` run of the example (4 ranks), run side by side."""
-    procs = [subprocess.Popen(_command(name, args, torchrun), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for args, torchrun in runs]
-    outputs = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
+# The launches each test reads, by test name: (label, example, arguments, under torchrun,
+# ranks). ``{out}`` in an argument is the module's output folder.
+LAUNCHES = {
+    "test_expert_parallel_example_trains_alike_spawned_and_under_torchrun": [
+        ("ep spawned", "expert_parallel_gloo.py", ["--quick"], False, 4),
+        ("ep torchrun", "expert_parallel_gloo.py", ["--quick"], True, 4)],
+    "test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs": [
+        ("ep 2 ranks", "expert_parallel_gloo.py", ["--steps", "1"], True, 2)],
+    "test_train_rebalance_example_every_loop_trains_alike_spawned": [
+        ("train_rebalance", "train_rebalance.py",
+         ["--quick", "--loop", "all", "--out", "{out}/s.png"], False, 4)],
+    "test_hf_trainer_example_trains_under_torchrun": [
+        ("hf", "hf_trainer_rebalance.py", ["--quick", "--out", "{out}/torchrun"], True, 4)],
+    "test_lightning_example_trains_spawned": [
+        ("lightning", "lightning_rebalance.py", ["--quick"], False, 4)],
+    "test_frameworks_example_every_framework_trains_alike_under_torchrun": [
+        ("frameworks", "frameworks_agree.py", ["--quick", "--json", "{out}/t.json"], True, 4)],
+}
+
+
+class Launches:
+    """Every selected test's example runs, started side by side when the module starts.
+
+    One launch alone leaves a core idle while its ranks wait on each other (start-up, the
+    frameworks' set-up); side by side they keep both busy.
+    """
+
+    def __init__(self, wanted: list[str], out: Path) -> None:
+        self.out = out
+        self.procs = {}
+        for test in wanted:
+            for label, name, args, torchrun, nproc in LAUNCHES[test]:
+                args = [str(a).format(out=out) for a in args]
+                self.procs[label] = subprocess.Popen(
+                    _command(name, args, torchrun, nproc), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+        self.deadline = time.monotonic() + TIMEOUT_S
+        self.done = {}
+
+    def result(self, label: str) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of one launch, waiting for it."""
+        if label not in self.done:
+            proc = self.procs[label]
+            try:
+                out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err += f"\n(killed after {TIMEOUT_S} s)"
+            self.done[label] = (proc.returncode, out, err)
+        return self.done[label]
+
+    def output(self, label: str) -> str:
+        """stdout of a launch that must succeed."""
+        code, out, err = self.result(label)
+        assert code == 0, f"{label} failed:\n{err[-3000:]}"
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    for (_, torchrun), (code, _out, err) in zip(runs, outputs):
-        how = "under torchrun" if torchrun else "spawned"
-        assert code == 0, f"{name} {how} failed:\n{err[-3000:]}"
-    return [out for _, out, _ in outputs]
 
 
-def _run_both(name: str, spawned_args=(), torchrun_args=()) -> tuple[str, str]:
-    """stdout of the example spawned and under torchrun (4 ranks), run side by side."""
-    spawned, torchrun = _run_all(name, ((spawned_args, False), (torchrun_args, True)))
-    return spawned, torchrun
+_STARTED: list[Launches] = []
+
+
+def start_launches(items) -> None:
+    """Start the launches of the selected, not skipped tests of this module (conftest calls this
+    when collection ends, so they run beside the rest of the suite)."""
+    if _STARTED:
+        return
+    wanted = sorted({item.originalname for item in items
+                     if item.module is sys.modules[__name__] and item.originalname in LAUNCHES
+                     and not any(m.name == "skip" or (m.name == "skipif" and m.args[0])
+                                 for m in item.iter_markers())})
+    out = Path(tempfile.mkdtemp(prefix="moebalance-examples-"))
+    _STARTED.append(Launches(wanted, out))
+
+
+def stop_launches() -> None:
+    for runs in _STARTED:
+        runs.close()
+        shutil.rmtree(runs.out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def launches(request):
+    start_launches(request.session.items)    # when conftest did not (a run of this file alone)
+    return _STARTED[0]
 
 
 def _mean_losses(out: str) -> list[float]:
@@ -80,8 +152,8 @@ def _mean_losses(out: str) -> list[float]:
 
 @pytest.mark.distributed
 @pair_timeout
-def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun():
-    spawned, torchrun = _run_both("expert_parallel_gloo.py", ["--quick"], ["--quick"])
+def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun(launches):
+    spawned, torchrun = launches.output("ep spawned"), launches.output("ep torchrun")
     for out in (spawned, torchrun):
         assert "imbalance before" in out and "moves" in out
     # Only rank 0 prints the summary: one process per rank, not four spawning their own.
@@ -90,63 +162,58 @@ def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun():
 
 
 @pytest.mark.distributed
-def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs():
-    proc = subprocess.run(_command("expert_parallel_gloo.py", ["--steps", "1"], True, nproc=2),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "--nproc-per-node 4" in proc.stderr
+@pair_timeout
+def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs(launches):
+    code, _, err = launches.result("ep 2 ranks")
+    assert code != 0
+    assert "--nproc-per-node 4" in err
 
 
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
 @pair_timeout
-def test_train_rebalance_example_every_loop_trains_alike_spawned_and_under_torchrun(tmp_path):
-    # --loop all: the plain loop, the user's DDP, the HF Trainer (its own DDP under torchrun) and
-    # L.Trainer(devices=4, strategy="ddp"), one after another in one group: 8 runs, 1 loss.
-    spawned, torchrun = _run_both(
-        "train_rebalance.py", ["--quick", "--loop", "all", "--out", tmp_path / "s.png"],
-        ["--quick", "--loop", "all", "--out", tmp_path / "t.png"])
-    losses = _mean_losses(spawned) + _mean_losses(torchrun)
-    assert len(losses) == 8
+def test_train_rebalance_example_every_loop_trains_alike_spawned(launches):
+    # --loop all: the plain loop, the user's DDP, the HF Trainer and L.Trainer(devices=4,
+    # strategy="ddp"), one after another in the spawned ranks (under torchrun: frameworks_agree).
+    out = launches.output("train_rebalance")
+    losses = _mean_losses(out)
+    assert len(losses) == 4
     # fp32: DDP's mean and moebalance's sum of the dense gradients round differently.
-    assert losses == pytest.approx([losses[0]] * 8, rel=1e-5)
-    for out in (spawned, torchrun):
-        assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
-        # The replicas were bit-identical (checked in the example) and every loop's weights,
-        # experts by id, match the plain loop's: no framework overwrote a rank's slots.
-        drifts = [float(x) for x in re.findall(r"max \|difference\| ([0-9.eE+-]+)", out)]
-        assert len(drifts) == 4 and max(drifts) < 1e-4, drifts
-    for prefix in ("s", "t"):
-        for loop in ("plain", "ddp", "hf", "lightning"):
-            rows = json.loads((tmp_path / f"{prefix}_{loop}.json").read_text())
-            assert len(rows) == 6 and (tmp_path / f"{prefix}_{loop}.png").is_file()
+    assert losses == pytest.approx([losses[0]] * 4, rel=1e-5)
+    assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
+    # The replicas were bit-identical (checked in the example) and every loop's weights,
+    # experts by id, match the plain loop's: no framework overwrote a rank's slots.
+    drifts = [float(x) for x in re.findall(r"max \|difference\| ([0-9.eE+-]+)", out)]
+    assert len(drifts) == 4 and max(drifts) < 1e-4, drifts
+    for loop in ("plain", "ddp", "hf", "lightning"):
+        rows = json.loads((launches.out / f"s_{loop}.json").read_text())
+        assert len(rows) == 6 and (launches.out / f"s_{loop}.png").is_file()
 
 
 @pytest.mark.distributed
 @needs_hf
 @pair_timeout
-def test_hf_trainer_example_trains_under_torchrun(tmp_path):
+def test_hf_trainer_example_trains_under_torchrun(launches):
     # Under torchrun the Trainer's DDP averages the dense part and its sampler shards the rows the
-    # example hands it (every rank's); that each loop trains alike both ways is checked by
-    # train_rebalance --loop all and frameworks_agree.
-    (out,) = _run_all("hf_trainer_rebalance.py",
-                      [(["--quick", "--out", tmp_path / "torchrun"], True)])
+    # example hands it (every rank's); that each loop trains alike is checked by
+    # train_rebalance --loop all (spawned) and frameworks_agree (under torchrun).
+    out = launches.output("hf")
     assert len(_mean_losses(out)) == 1
     assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
-    assert (tmp_path / "torchrun" / "config.json").is_file()
-    assert (tmp_path / "torchrun" / "moebalance_placement.npz").is_file()
+    assert (launches.out / "torchrun" / "config.json").is_file()
+    assert (launches.out / "torchrun" / "moebalance_placement.npz").is_file()
 
 
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
 @pair_timeout
-def test_lightning_example_trains_spawned():
+def test_lightning_example_trains_spawned(launches):
     # L.Trainer(devices=4, strategy="ddp"), spawned: the example sets LOCAL_RANK so Lightning
     # joins the spawned ranks (under torchrun Lightning finds torchrun's ranks: checked by
-    # train_rebalance --loop all).
-    (out,) = _run_all("lightning_rebalance.py", [(["--quick"], False)])
+    # frameworks_agree).
+    out = launches.output("lightning")
     assert len(_mean_losses(out)) == 1
     assert "re-plan:" in out and "moves" in out
     assert "what rebalancing bought: per-step imbalance" in out
@@ -156,19 +223,17 @@ def test_lightning_example_trains_spawned():
 @needs_hf
 @needs_lightning
 @pair_timeout
-def test_frameworks_example_every_framework_trains_alike_spawned_and_under_torchrun(tmp_path):
-    # fp64: the hand-written loop and Lightning spawned, the user's DDP and the HF Trainer (its
-    # own DDP) under torchrun, each loop once; every loss sequence is the plain loop's.
-    spawned, torchrun = _run_both(
-        "frameworks_agree.py",
-        ["--quick", "--loops", "plain,lightning", "--json", tmp_path / "s.json"],
-        ["--quick", "--loops", "ddp,hf", "--json", tmp_path / "t.json"])
-    runs = {}
-    for name in ("s.json", "t.json"):
-        runs.update(json.loads((tmp_path / name).read_text())["runs"])
-    assert sorted(runs) == ["spawned lightning", "spawned plain", "torchrun ddp", "torchrun hf"]
-    reference = runs["spawned plain"]["losses"]
+def test_frameworks_example_every_framework_trains_alike_under_torchrun(launches):
+    # fp64: the hand-written loop, the user's DDP, the HF Trainer (its own DDP) and Lightning,
+    # each finding torchrun's ranks; every loss sequence is the plain loop's (spawned, every
+    # loop: train_rebalance --loop all).
+    out = launches.output("frameworks")
+    runs = json.loads((launches.out / "t.json").read_text())["runs"]
+    assert sorted(runs) == ["torchrun ddp", "torchrun hf", "torchrun lightning", "torchrun plain"]
+    reference = runs["torchrun plain"]["losses"]
     assert len(reference) == 4
     for name, run in runs.items():
         assert run["losses"] == pytest.approx(reference, rel=1e-9), name
         assert run["replicas_identical"] is True and run["replans"] == 2, name
+        assert run["weights_vs_first"] < 1e-9, name
+    assert "torchrun lightning" in out
