@@ -28,13 +28,13 @@ __all__ = [
     "__version__",
 ]
 
-from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
+from .planner import plan, rebalance_experts, step_imbalance  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
 from .integrations import (Rebalancer, attach, from_pretrained, save_pretrained,  # noqa: E402
                            unwrap, wrap)
 from . import checkpoint  # noqa: E402,F401  (the old path; nn.checkpoint is the module)
 from .planner.elastic import replan_onto  # noqa: E402
 
-__all__ += ["plan", "rebalance_experts", "Rebalancer", "wrap", "unwrap", "save_pretrained",
-            "from_pretrained",
+__all__ += ["plan", "rebalance_experts", "step_imbalance", "Rebalancer", "wrap", "unwrap",
+            "save_pretrained", "from_pretrained",
             "checkpoint", "replan_onto"]

@@ -4,7 +4,9 @@ A device's load is the sum, over its slots, of the slot's expert's tokens times 
 its time is load / speed. **imbalance** is the slowest device's time over the ideal time (all
 tokens over all speed): 1.0 is perfect. **balancedness** is EPLB's mean/max device load, blind to
 speed. Over several layers, which run one after another, the summary is
-``sum_l max_g(load/speed) / sum_l ideal``.
+``sum_l max_g(load/speed) / sum_l ideal``. The **per-step imbalance** (each step's own counts,
+re-split over the replicas as the dispatcher does) is :func:`moebalance.step_imbalance`: the
+re-split runs the planner's kernels, which this ground-floor module does not import.
 """
 
 from __future__ import annotations

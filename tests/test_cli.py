@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from moebalance import Placement, Topology, imbalance, summary_imbalance
+from moebalance import Placement, Topology, imbalance, plan, step_imbalance, summary_imbalance
 from moebalance.cli import main as cli
 from moebalance.lab import report
 from moebalance.lab.bench import planner as bench
@@ -333,13 +333,28 @@ def test_plan_reads_npz_pt_and_a_topology_file(tmp_path, capsys):
         Placement.load(out).validate(Topology.from_dict(topo))
 
 
-def test_plan_averages_per_step_counts(tmp_path, capsys):
-    steps = np.random.default_rng(3).integers(0, 50, size=(5, 2, 8)).astype(float)
+def test_plan_plans_per_step_counts_for_the_steps_and_reports_them(tmp_path, capsys):
+    steps = np.random.default_rng(3).integers(0, 50, size=(12, 2, 8)).astype(float)
     np.save(tmp_path / "steps.npy", steps)
-    rc, stdout, err = run_cli(["plan", str(tmp_path / "steps.npy"), "--devices", "2", "--slots",
-                               "5", "--out", str(tmp_path / "p.npz")], capsys)
+    rc, stdout, err = run_cli(["plan", str(tmp_path / "steps.npy"), "--devices", "4", "--slots",
+                               "3", "--out", str(tmp_path / "p.npz")], capsys)
     assert rc == 0, err
     assert "planned 2 layers x 8 experts" in stdout
+    # the Rebalancer's call: planned for the window's steps, not for their mean
+    topo = Topology.from_arrays(np.ones(4), [3] * 4)
+    saved = Placement.load(tmp_path / "p.npz")
+    expected = plan(steps, topo)
+    assert np.array_equal(saved.phy2log, expected.phy2log)
+    assert np.allclose(saved.share, expected.share)
+    per_step = step_imbalance(steps, expected, topo).mean()
+    assert "on the steps' mean load: imbalance" in stdout
+    assert "per step (12 steps of the file, each re-split" in stdout
+    assert f"imbalance {per_step:.4f}" in stdout
+    # inspect judges the same file step by step
+    rc, stdout, err = run_cli(["inspect", str(tmp_path / "p.npz"), "--loads",
+                               str(tmp_path / "steps.npy")], capsys)
+    assert rc == 0, err
+    assert f"imbalance {per_step:.4f}" in stdout
 
 
 def test_inspect_without_loads_or_topology_summarises_the_placement(loads_file, tmp_path, capsys):

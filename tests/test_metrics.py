@@ -322,3 +322,48 @@ def test_metrics_reject_arguments_of_the_wrong_type():
         with pytest.raises(TypeError, match=r"placement must be a moebalance.Placement"):
             metric(LOADS, PLACEMENT.phy2log, TOPO)
 
+
+
+# -- per-step imbalance ---------------------------------------------------------------------------
+
+
+def test_step_imbalance_is_each_steps_summary_and_the_resplit_never_worse(rng):
+    from moebalance import plan, step_imbalance
+    from moebalance.lab.bench.per_step import best_resplit
+
+    topo = Topology.from_arrays([1.0, 1.0, 0.5, 0.5], [3, 3, 3, 3])
+    counts = rng.gamma(0.7, 100.0, size=(15, 2, 8))
+    counts[4] = 0.0                                    # a step with no tokens counts as 1.0
+    p = plan(counts, topo)
+    static = step_imbalance(counts, p, topo, resplit=False)
+    resplit = step_imbalance(counts, p, topo)
+    assert static.shape == resplit.shape == (15,)
+    assert static[4] == resplit[4] == 1.0
+    assert np.allclose(static, [summary_imbalance(counts[t], p, topo) if t != 4 else 1.0
+                                for t in range(15)])
+    assert (resplit <= static + 1e-9).all()
+    # no re-split beats the best split over the same replicas (a linear program per layer)
+    for t in (0, 7, 14):
+        ideal = (counts[t].sum(axis=1) / topo.speed.sum()).sum()
+        best = sum(best_resplit(counts[t, layer], p.phy2log[layer], topo)[0] for layer in range(2))
+        assert resplit[t] >= best / ideal - 1e-9
+    # one layer: [T, E] counts are read as [T, 1, E]
+    one = plan(counts[:, :1], topo)
+    assert np.allclose(step_imbalance(counts[:, 0], one, topo),
+                       step_imbalance(counts[:, :1], one, topo))
+
+
+def test_step_imbalance_names_the_argument_at_fault(rng):
+    from moebalance import plan, step_imbalance
+
+    topo = Topology.from_arrays([1.0, 1.0], [3, 3])
+    counts = rng.gamma(0.7, 100.0, size=(5, 2, 4))
+    p = plan(counts, topo)
+    with pytest.raises(ValueError, match="counts_TLE must have shape \\[steps, 2, 4\\]"):
+        step_imbalance(counts[:, :, :3], p, topo)
+    with pytest.raises(ValueError, match="counts_TLE"):
+        step_imbalance(-counts, p, topo)
+    with pytest.raises(ValueError, match="does not match topology"):
+        step_imbalance(counts, p, Topology.from_arrays([1.0, 1.0], [4, 2]))
+    with pytest.raises(TypeError, match="placement must be"):
+        step_imbalance(counts, p.phy2log, topo)

@@ -97,11 +97,13 @@ def positive_float_arg(text: str) -> float:
 # -- reading user files ---------------------------------------------------------------------------
 
 
-def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.ndarray:
+def read_loads(path: str, key: str | None = None, flag: str = "LOADS",
+               steps: bool = False) -> np.ndarray:
     """Per-expert loads [L, E] float64 from a .npy, .npz or .pt file.
 
     An .npz or a .pt holding a dict gives the array under ``key`` (default: ``loads``, or its only
-    array). Per-step counts [steps, L, E] are averaged over the steps.
+    array). Per-step counts [steps, L, E] are averaged over the steps, or kept as they are with
+    ``steps`` (for a plan for the steps).
     """
     p = Path(path)
     if p.suffix not in LOAD_SUFFIXES:
@@ -131,9 +133,14 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS") -> np.nda
     except Exception as exc:  # any unreadable file is the user's to fix; say which and why
         raise UsageError(f"{flag}: cannot read {path!r}: {exc}") from None
     arr = np.asarray(arr)
-    if arr.ndim == 3:
-        arr = arr.mean(axis=0)
     try:
+        if arr.ndim == 3 and steps:
+            if arr.shape[0] < 1:
+                raise ValueError(f"{flag}: per-step counts [steps, layers, experts] need at "
+                                 f"least one step, got shape {arr.shape}")
+            return as_loads(arr.reshape(-1, arr.shape[2]), flag).reshape(arr.shape)
+        if arr.ndim == 3:
+            arr = arr.mean(axis=0)
         return as_loads(arr, flag)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None

@@ -57,6 +57,23 @@ def _figures_line(loads, placement, topology) -> str:
             f"{balancedness(loads, placement, topology).mean():.4f} (mean over layers)")
 
 
+def _steps_line(counts_TLE, placement, topology, previous) -> str:
+    """The per-step imbalance on the file's own steps (what sets step time), planned for them."""
+    from ..planner import step_imbalance
+
+    def figures(p) -> str:
+        r = step_imbalance(counts_TLE, p, topology)
+        return f"{r.mean():.4f} (worst step {r.max():.4f})"
+
+    line = (f"per step ({_count(counts_TLE.shape[0], 'step')} of the file, each re-split over "
+            f"the replicas as the dispatcher does): imbalance {figures(placement)}, "
+            f"{step_imbalance(counts_TLE, placement, topology, resplit=False).mean():.4f} with "
+            f"the planned shares")
+    if previous is not None:
+        line += f"; the placement in service: {figures(previous)}"
+    return line
+
+
 def _count(n: int, noun: str) -> str:
     """``1 layer``, ``3 layers``."""
     return f"{n} {noun}" + ("" if n == 1 else "s")
@@ -85,7 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if written.exists() and not args.force:
         raise UsageError(f"--out: {str(written)!r} exists (a placement planned before?); give "
                          f"another --out FILE, or --force to replace it")
-    loads = read_loads(args.loads, args.key)
+    counts = read_loads(args.loads, args.key, steps=True)   # [L, E], or [T, L, E] per step
+    loads = counts.mean(axis=0) if counts.ndim == 3 else counts
     previous, saved = read_placement(args.previous, "--previous") if args.previous else (None, None)
     topology = topology_from_args(args, required=saved is None)
     if topology is None:  # --previous holds the devices it was planned for
@@ -103,14 +121,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     before = jit_counts()
     try:
         start = time.perf_counter()
-        placement = plan(loads, topology, previous=previous, max_moves=args.max_moves)
+        placement = plan(counts, topology, previous=previous, max_moves=args.max_moves)
         seconds = time.perf_counter() - start
         loaded, compiled = (a - b for a, b in zip(jit_counts(), before))
         note = ""
         if loaded or compiled:  # time a warm call too: that is what a job pays per re-plan
             note = "; " + _first_call_note(seconds, loaded, compiled)
             start = time.perf_counter()
-            plan(loads, topology, previous=previous, max_moves=args.max_moves)
+            plan(counts, topology, previous=previous, max_moves=args.max_moves)
             seconds = time.perf_counter() - start
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
@@ -118,7 +136,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"planned {_count(L, 'layer')} x {_count(E, 'expert')} onto "
           f"{_count(topology.num_slots, 'slot')} on {_count(topology.num_devices, 'device')} in "
           f"{seconds * 1e3:.1f} ms (planner backend {backend('planner')}{note})")
-    print(_figures_line(loads, placement, topology))
+    print(("on the steps' mean load: " if counts.ndim == 3 else "") +
+          _figures_line(loads, placement, topology))
+    if counts.ndim == 3:
+        print(_steps_line(counts, placement, topology, previous))
     moves = placement.moves_from(previous)
     print(f"moves: {moves} expert {'copy' if moves == 1 else 'copies'} "
           f"({100.0 * moves / (L * topology.num_slots):.1f}% of slots x layers)"
@@ -192,7 +213,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"valid: no: {exc}")
     loads = None
     if args.loads is not None:
-        loads = read_loads(args.loads, args.key, "--loads")
+        counts = read_loads(args.loads, args.key, "--loads", steps=True)
+        loads = counts.mean(axis=0) if counts.ndim == 3 else counts
         if loads.shape != (p.num_layers, p.num_experts):
             raise UsageError(f"--loads has shape {list(loads.shape)} but the placement needs "
                              f"[{p.num_layers}, {p.num_experts}] (layers, experts): give loads "
@@ -207,7 +229,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                              f"{p.num_slots} on {p.num_devices}: describe the devices it was "
                              f"planned for" + (", or drop the topology flags to use the one "
                                                "saved with it" if saved is not None else ""))
-        print(_figures_line(loads, p, topology))
+        print(("on the steps' mean load: " if counts.ndim == 3 else "") +
+              _figures_line(loads, p, topology))
+        if counts.ndim == 3:
+            print(_steps_line(counts, p, topology, None))
     if args.layout or args.layer is not None:
         layers = range(p.num_layers) if args.layer is None else [args.layer]
         for layer in layers:
@@ -282,8 +307,8 @@ def build_parser() -> ArgumentParser:
                           description="Plan expert placement for per-expert loads and save it "
                                       "(.npz, readable with moebalance.Placement.load).")
     plan.add_argument("loads", metavar="LOADS",
-                      help="loads [layers, experts] (or [steps, layers, experts], averaged) in a "
-                           ".npy, .npz or .pt file")
+                      help="loads [layers, experts], or per-step counts [steps, layers, "
+                           "experts] (then planned for the steps), in a .npy, .npz or .pt file")
     plan.add_argument("--key", help="array name inside an .npz or a saved dict (default: loads)")
     add_topology_arguments(plan)
     plan.add_argument("--previous", metavar="FILE",
@@ -308,7 +333,9 @@ def build_parser() -> ArgumentParser:
                               "the one --layer names)")
     inspect.add_argument("--layer", type=nonneg_int_arg, metavar="N",
                          help="print the layout of layer N only (implies --layout)")
-    inspect.add_argument("--loads", metavar="FILE", help="loads to evaluate it on (.npy/.npz/.pt)")
+    inspect.add_argument("--loads", metavar="FILE",
+                         help="loads to evaluate it on (.npy/.npz/.pt); per-step counts "
+                              "[steps, layers, experts] are also judged step by step")
     inspect.add_argument("--key", help="array name inside an .npz or a saved dict (default: loads)")
     add_topology_arguments(inspect)
     inspect.set_defaults(func=cmd_inspect)
