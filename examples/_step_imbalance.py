@@ -1,8 +1,9 @@
 """Per-step imbalance and wall time of a training run, and what its re-plans bought (examples).
 
 ``StepImbalance.record(rebalancer)``, called on every rank after each optimizer step (after
-``Rebalancer.step()``), sums the step's tracked loads over the ranks and keeps the summary
-imbalance of those loads under the placement in force; ``bought()`` compares the steps on the
+``Rebalancer.step()``), sums the step's tracked loads over the ranks and keeps the per-step
+imbalance of those loads under the placement in force (re-split over its replicas, as the
+dispatcher does: :func:`moebalance.step_imbalance`); ``bought()`` compares the steps on the
 first placement with the steps after the first re-plan.
 """
 
@@ -24,8 +25,8 @@ class StepImbalance:
     def record(self, rebalancer) -> None:
         counts = rebalancer.last_counts.to(torch.float64)
         dist.all_reduce(counts)
-        imbalance = mb.summary_imbalance(counts.numpy(), mb.current_placement(self.model),
-                                         self.topology)
+        imbalance = mb.step_imbalance(counts.numpy()[None], mb.current_placement(self.model),
+                                      self.topology)[0]
         replanned = bool(rebalancer.history) and rebalancer.history[-1]["step"] == rebalancer.steps
         now = time.perf_counter()
         self.rows.append({"imbalance": float(imbalance), "replan": replanned,

@@ -73,7 +73,9 @@ def worker(rank: int, world: int, steps: int, every: int, family: str, out: str 
         print(f"mean training loss over {steps} steps (all ranks): {float(loss) / world:.9f}")
         for r in rebalance.rebalancer.history:
             print(f"step {r['step']:4d} re-plan: imbalance {r['imbalance_before']:.3f} -> "
-                  f"{r['imbalance_after']:.3f}, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
+                  f"{r['imbalance_after']:.3f} on the window's mean, "
+                  f"{r['step_imbalance_before']:.3f} -> {r['step_imbalance_after']:.3f} per step, "
+                  f"{r['moves']} moves, {r['bytes'] / 1e6:.2f} MB, "
                   f"migration {r['migration_s'] or 0:.3f} s"
                   + (" (no expert moved: the tokens of replicated experts were re-split between "
                      "their replicas)" if r["moves"] == 0

@@ -62,7 +62,8 @@ def build():
 
 
 class StepLog:
-    """Each step's loss and the imbalance of that step's loads under the placement in force."""
+    """Each step's loss and the imbalance of that step's loads under the placement in force,
+    re-split over its replicas as the dispatcher does."""
 
     def __init__(self, model, world: int) -> None:
         self.model, self.world, self.rows = model, world, []
@@ -74,7 +75,7 @@ class StepLog:
         dist.all_reduce(total)
         loads = total[:-1].view_as(counts).numpy()
         placement = mb.current_placement(self.model)
-        imbalance = mb.summary_imbalance(loads, placement, TOPOLOGY)
+        imbalance = mb.step_imbalance(loads[None], placement, TOPOLOGY)[0]
         replanned = bool(rebalancer.history) and rebalancer.history[-1]["step"] == rebalancer.steps
         now = time.perf_counter()
         self.rows.append({"step": step, "loss": float(total[-1]), "imbalance": float(imbalance),
@@ -85,7 +86,9 @@ class StepLog:
             if replanned:
                 r = rebalancer.history[-1]
                 note = (f"  re-plan: {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f} on "
-                        f"the window, {r['moves']} moves, {r['bytes'] / 1e6:.2f} MB")
+                        f"the window's mean, {r['step_imbalance_before']:.3f} -> "
+                        f"{r['step_imbalance_after']:.3f} per step, {r['moves']} moves, "
+                        f"{r['bytes'] / 1e6:.2f} MB")
                 if r["moves"] == 0 and r["imbalance_after"] < r["imbalance_before"]:
                     note += (" (no expert moved: the tokens of replicated experts were re-split "
                              "between their replicas)")

@@ -5,7 +5,7 @@ from .metrics import balancedness, imbalance, summary_imbalance
 from .placement import Placement
 from .topology import Device, Topology
 from .tracker import LoadTracker
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, step_imbalance
 from .nn import ExpertParallelMoE
 from .speeds import SpeedTracker
 from .nn.slots import (apply_placement, clip_grad_norm_, current_placement,
@@ -28,7 +28,7 @@ __all__ = [
     "__version__",
 ]
 
-from .planner import plan, rebalance_experts, step_imbalance  # noqa: E402  (after the data types they return)
+from .planner import plan, rebalance_experts  # noqa: E402  (after the data types they return)
 from .warmup import warm_up  # noqa: E402  (top floor: drives the planner and nn)
 from .integrations import (Rebalancer, attach, from_pretrained, save_pretrained,  # noqa: E402
                            unwrap, wrap)

@@ -5,8 +5,8 @@ its time is load / speed. **imbalance** is the slowest device's time over the id
 tokens over all speed): 1.0 is perfect. **balancedness** is EPLB's mean/max device load, blind to
 speed. Over several layers, which run one after another, the summary is
 ``sum_l max_g(load/speed) / sum_l ideal``. The **per-step imbalance** (each step's own counts,
-re-split over the replicas as the dispatcher does) is :func:`moebalance.step_imbalance`: the
-re-split runs the planner's kernels, which this ground-floor module does not import.
+re-split over the replicas as the dispatcher does) is :func:`moebalance.step_imbalance`, beside
+the re-split in :mod:`moebalance.dispatch.shares` (above this ground-floor module).
 """
 
 from __future__ import annotations

@@ -296,9 +296,11 @@ class SpeedTracker:
         current = current_placement(rebalancer.model)
         new = plan(loads, measured, previous=current, max_moves=rebalancer.max_moves,
                    **rebalancer.plan_options)
-        # Expert time per step is proportional to sum_l max_g(load/speed): the imbalance ratio.
-        before = summary_imbalance(loads, current, measured)
-        after = summary_imbalance(loads, new, measured)
+        # Expert time per step is proportional to sum_l max_g(load/speed): the imbalance ratio
+        # (on the steps' mean load when the Rebalancer reads per-step counts [T, L, E]).
+        mean = loads.mean(axis=0) if loads.ndim == 3 else loads
+        before = summary_imbalance(mean, current, measured)
+        after = summary_imbalance(mean, new, measured)
         saving_s = (self.expert_s or 0.0) * max(0.0, 1.0 - after / before) * self.horizon
         moves = new.moves_from(current)
         price_s = moves * self._move_price(rebalancer.history)

@@ -461,6 +461,38 @@ def rebalancer_plain_loop_drives_migrations_and_keeps_losses():
     assert_replicas_identical(moving)
 
 
+def rebalancer_plans_for_the_steps_it_kept():
+    # The Rebalancer's call is plan(counts_TLE, ...): each kept step's counts summed over the
+    # ranks, oldest first, not their mean; its report gives both figures.
+    dtype = torch.float64
+    topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS, node=[0, 0, 1, 1])
+    start = mb.plan(np.ones((2, E)), topology)
+    model = Net(start, dtype)
+    optimizer = make_optimizer(model, "sgd")
+    rebalancer = mb.Rebalancer(model, topology, optimizer, every=5, blocking=True)
+    steps = []
+    for step in range(5):
+        train_step(model, optimizer, step, dtype)
+        current = current_placement(model)
+        report = rebalancer.step()
+        counts = rebalancer.last_counts.to(torch.float64)
+        dist.all_reduce(counts)
+        steps.append(counts.numpy())
+    assert report is not None and rebalancer.steps_kept == 5
+    counts_TLE = np.stack(steps)                 # tracker rows are the layers, in model order
+    expected = mb.plan(counts_TLE, topology, previous=current)
+    planned = current_placement(model)
+    assert np.array_equal(planned.phy2log, expected.phy2log)
+    assert np.allclose(planned.share, expected.share)
+    assert report["imbalance_before"] == pytest.approx(
+        mb.summary_imbalance(counts_TLE.mean(axis=0), current, topology))
+    assert report["step_imbalance_before"] == pytest.approx(
+        mb.step_imbalance(counts_TLE, current, topology).mean())
+    assert report["step_imbalance_after"] == pytest.approx(
+        mb.step_imbalance(counts_TLE, expected, topology).mean())
+    assert report["step_imbalance_after"] <= report["step_imbalance_before"] + 1e-9
+
+
 def global_norm_clipping_equals_single_process_clipping():
     dtype = torch.float64
     model = Net(placements_for(5), dtype)
@@ -571,6 +603,7 @@ CASES = [
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
     shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there,
     rebalancer_plain_loop_drives_migrations_and_keeps_losses,
+    rebalancer_plans_for_the_steps_it_kept,
     experts_on_every_rank_train_like_experts_held_once_fp64,
     failed_transfer_on_one_rank_keeps_old_placement_everywhere,
     rank_that_never_sends_fails_migration_without_hang,

@@ -59,7 +59,7 @@ def _figures_line(loads, placement, topology) -> str:
 
 def _steps_line(counts_TLE, placement, topology, previous) -> str:
     """The per-step imbalance on the file's own steps (what sets step time), planned for them."""
-    from ..planner import step_imbalance
+    from ..dispatch.shares import step_imbalance
 
     def figures(p) -> str:
         r = step_imbalance(counts_TLE, p, topology)

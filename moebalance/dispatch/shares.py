@@ -18,6 +18,7 @@ Method: water-filling sweeps over the replicated experts in colour-class order
   It cannot stop early without a host sync, so it runs a fixed number of sweeps.
 
 :func:`optimal_max_time` is the LP optimum every form is measured against.
+:func:`step_imbalance` is DESIGN's per-step imbalance: each step's own counts, re-split so.
 
 Legend: G devices (ranks), E logical experts, X most replicas of an expert, C colour classes,
 V replicated experts, n experts of one colour class, Gs = G + 1 (the devices, then a scratch
@@ -31,13 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._check import integer
+from .._check import as_loads, integer, to_numpy
 from ..backends import backend, has_numba
+from ..placement import Placement
 from ..planner import _jit
+from ..topology import Topology
 from .resplit_kernel import RESPLIT_SWEEPS
 from .routing import ReplicaTable
 
-__all__ = ["RESPLIT_SWEEPS", "RESPLIT_TORCH_SWEEPS", "ColourClass",
+__all__ = ["RESPLIT_SWEEPS", "RESPLIT_TORCH_SWEEPS", "ColourClass", "step_imbalance",
            "ResplitPlan", "resplit_plan", "resplit_shares", "resplit_shares_torch",
            "device_loads", "optimal_max_time"]
 
@@ -251,3 +254,51 @@ def optimal_max_time(w_E, phy2log_S, slot_device_S, speed_G) -> float:
     if not res.success:
         raise RuntimeError(f"the re-split LP failed: {res.message}")
     return float(res.x[-1])
+
+
+def step_imbalance(counts_TLE, placement: Placement, topology: Topology, *, resplit: bool = True,
+                   backend: str | None = None) -> np.ndarray:
+    """[T] the per-step imbalance of ``placement`` on each step's own counts.
+
+    Per step ``t`` of ``counts_TLE`` [T, L, E] (or [T, E] for one layer): ``sum_l max_g(load[g] /
+    speed[g]) / sum_l ideal`` (DESIGN's summary over layers) on that step's counts, the figure
+    that sets the step's time; its mean over the steps is the per-step imbalance the planner is
+    judged by. With ``resplit`` (the default, what the dispatcher does) each step's tokens are
+    re-split over the placement's replicas by the dispatcher's own kernel
+    (:func:`.resplit_kernel.resplit_loads`: ``RESPLIT_SWEEPS`` water-filling sweeps, then the
+    exact flow); without it every replica takes its planned share. A step with no tokens counts
+    as 1.0. It lives beside the re-split, not in :mod:`moebalance.metrics` (the ground floor).
+    ``backend``: "numba" or "numpy" to force the kernels' implementation.
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a moebalance.Placement, got "
+                        f"{type(placement).__name__}")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    if placement.num_slots != topology.num_slots or not np.array_equal(
+            placement.slot_device, topology.slot_device):
+        raise ValueError("placement does not match topology: plan it for this topology")
+    arr = to_numpy(counts_TLE, "counts_TLE")
+    if arr.ndim == 2 and placement.num_layers == 1:
+        arr = arr[:, None, :]
+    if arr.ndim != 3 or arr.shape[1:] != (placement.num_layers, placement.num_experts):
+        raise ValueError(f"counts_TLE must have shape [steps, {placement.num_layers}, "
+                         f"{placement.num_experts}] (per-step counts of the placement's layers "
+                         f"and experts), got {tuple(arr.shape)}")
+    T, L, E = arr.shape
+    w = as_loads(arr.reshape(T * L, E), "counts_TLE").reshape(T, L, E)
+    speed = np.ascontiguousarray(topology.speed, dtype=np.float64)
+    kernels = _jit.kernels(backend)
+    worst_TL = np.empty((T, L))
+    for layer in range(L):
+        if resplit:
+            load_TG = kernels.resplit_loads(np.ascontiguousarray(w[:, layer]),
+                                            placement.phy2log[layer], placement.share[layer],
+                                            speed, placement.slot_device, RESPLIT_SWEEPS, True)
+        else:
+            per_slot = w[:, layer, placement.phy2log[layer]] * placement.share[layer]
+            load_TG = np.zeros((T, topology.num_devices))
+            np.add.at(load_TG.T, placement.slot_device, per_slot.T)
+        worst_TL[:, layer] = (load_TG / speed).max(axis=1)
+    ideal_T = (w.sum(axis=2) / speed.sum()).sum(axis=1)
+    return np.where(ideal_T > 0, worst_TL.sum(axis=1) / np.where(ideal_T > 0, ideal_T, 1.0), 1.0)

@@ -30,10 +30,11 @@ at ``on_train_begin`` on every rank: the Trainer's own load does not read expert
 and restores rank 0's optimizer state alone; load the folder with :func:`moebalance.from_pretrained`
 and start a new Trainer instead.
 
-Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, ``moves``,
-``bytes``, ``plan_ms``, ``migration_s``) join the next ``logs`` the Trainer reports, through
-``on_log``; the callback runs right after the Trainer's flow callback, so reporting
-integrations (TensorBoard, W&B) see them.
+Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, per step
+``.../step_imbalance_before`` and ``.../step_imbalance_after``, ``moves``, ``bytes``,
+``plan_ms``, ``migration_s``) join the next ``logs`` the Trainer reports, through ``on_log``;
+the callback runs right after the Trainer's flow callback, so reporting integrations
+(TensorBoard, W&B) see them.
 
 Importing this module imports transformers.
 """
@@ -51,7 +52,7 @@ import sys
 
 from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
-from .loop import Rebalancer, torch_optimizer
+from .loop import Rebalancer, logged_figures, torch_optimizer
 
 __all__ = ["RebalanceTrainerCallback"]
 
@@ -122,9 +123,7 @@ class RebalanceTrainerCallback(TrainerCallback):
         if self.rebalancer is not None:
             self.rebalancer.step()
             for report in self.rebalancer.history[self._logged:]:
-                self._pending_logs.update({f"moebalance/{key}": float(report[key]) for key in
-                                           ("imbalance_before", "imbalance_after", "moves",
-                                            "bytes", "plan_ms")})
+                self._pending_logs.update(logged_figures(report))
             self._logged = len(self.rebalancer.history)
             last = self.rebalancer.history[-1] if self.rebalancer.history else None
             if last is not None and last.get("migration_s") is not None:

@@ -20,7 +20,8 @@ parameters and leaves each rank's experts alone; ``mb.wrap`` the model in ``conf
 (the process group exists by then) or before ``fit``. Sharding strategies (FSDP, DeepSpeed,
 model parallel) are refused at ``setup`` / ``on_fit_start``: they would shard or gather the
 slots. Re-plan figures go to ``pl_module.log`` (``moebalance/imbalance_before``, ``.../after``,
-``moves``, ``bytes``, ``plan_ms``, ``migration_s``), so every Lightning logger sees them.
+per step ``.../step_imbalance_before`` and ``.../step_imbalance_after``, ``moves``, ``bytes``,
+``plan_ms``, ``migration_s``), so every Lightning logger sees them.
 
 Importing this module imports Lightning (``lightning`` or ``pytorch_lightning``).
 """
@@ -42,7 +43,7 @@ from ..frameworks import exclude_experts_from_ddp
 from ..nn import checkpoint
 from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
-from .loop import Rebalancer, torch_optimizer
+from .loop import Rebalancer, logged_figures, torch_optimizer
 
 __all__ = ["RebalanceCallback"]
 
@@ -85,9 +86,7 @@ class RebalanceCallback(Callback):
         self._check_strategy(trainer)
 
     def _log_replan(self, pl_module, report: dict) -> None:
-        figures = {f"moebalance/{key}": float(report[key]) for key in
-                   ("imbalance_before", "imbalance_after", "moves", "bytes", "plan_ms")}
-        pl_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log_dict(logged_figures(report), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.rebalancer is None:

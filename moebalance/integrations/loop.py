@@ -9,14 +9,21 @@ Every step, after ``optimizer.step()``::
 
 At a trigger (every ``every`` steps, and/or when the tracked imbalance of the current placement
 passes ``threshold``, and/or when a re-plan's moves pay for themselves under ``move_cost``) it
-takes a snapshot of the tracked loads (one all-reduce), plans ``plan(loads, topology,
-previous=current, max_moves=...)`` on every rank (deterministic from the reduced loads; a
-digest check proves the ranks agree) and starts the migration. The layers commit their new
-rows before their next forward, so training never stops for it.
+reads the recent steps' counts summed over the ranks: the Rebalancer keeps each step's counts
+of its last ``STEPS_KEPT`` steps on the device (the tracker's step counts, copied into a ring
+with no host sync), and reduces them with one all-reduce beside the tracker's snapshot (which
+checks the ids). It then plans ``plan(counts_TLE, topology, previous=current, max_moves=...)``
+on every rank: a plan for the steps, each re-split over the replicas as the dispatcher does,
+not for their mean (deterministic from the reduced counts; a digest check proves the ranks
+agree) and starts the migration. The layers commit their new rows before their next forward,
+so training never stops for it.
 
 Figures go to the ``moebalance`` logger (INFO) and to ``rebalancer.history``: one dict per
-re-plan with the step, imbalance before and after (on the snapshot's loads), moves, bytes,
-plan time and, once every layer committed, the migration time.
+re-plan with the step, imbalance before and after on the steps' mean load
+(``imbalance_before`` / ``imbalance_after``) and per step after the re-split
+(``step_imbalance_before`` / ``step_imbalance_after``, :func:`moebalance.step_imbalance`; on
+the tracker's loads when fewer than two steps were kept),
+moves, bytes, plan time and, once every layer committed, the migration time.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ import torch
 from torch import nn
 
 from .._check import optional_positive_int
+from ..dispatch.shares import step_imbalance
 from ..frameworks import check_optimizer
 from ..metrics import summary_imbalance
 from ..migrate.transfer import MigrationError, Migrator
 from ..migrate.wire import same_everywhere
 from ..nn.slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import MoveCost, plan
+from ..planner.steps import sampled
 from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
 from ..tracker import LoadTracker
@@ -66,6 +75,27 @@ def _speed_tracker(speeds, model):
     return speeds.attach(model)
 
 
+# The steps whose counts a Rebalancer keeps for its plans (at most: fewer when it decides more
+# often). The plan judges its candidates on a few evenly spaced steps of them and sizes the
+# volatile experts' replicas by their spread; 64 steps give both, in L x E x 64 counts per rank.
+STEPS_KEPT = 64
+
+
+# A re-plan report's figures that the framework callbacks log, as ``moebalance/<key>``.
+LOGGED_FIGURES = ("imbalance_before", "imbalance_after", "step_imbalance_before",
+                  "step_imbalance_after", "moves", "bytes", "plan_ms")
+
+
+def logged_figures(report: dict) -> dict[str, float]:
+    """``moebalance/<key>``: figure, for every figure of a re-plan report."""
+    return {f"moebalance/{key}": float(report[key]) for key in LOGGED_FIGURES}
+
+
+def _mean(loads: np.ndarray) -> np.ndarray:
+    """[L, E]: the steps' mean of per-step counts [T, L, E]; loads [L, E] as they are."""
+    return loads.mean(axis=0) if loads.ndim == 3 else loads
+
+
 class Rebalancer:
     """Re-plan and migrate the expert-parallel layers of ``model`` while it trains.
 
@@ -76,10 +106,10 @@ class Rebalancer:
             weights only. It must hold every slot parameter (create it after ``mb.wrap``).
         every: re-plan every this many steps (None: only when ``threshold`` or ``move_cost``
             triggers).
-        threshold: also re-plan when the current placement's summary imbalance on the tracked
-            loads exceeds this (e.g. 1.05), checked every ``check_every`` steps.
+        threshold: also re-plan when the current placement's summary imbalance on the recent
+            steps' mean load exceeds this (e.g. 1.05), checked every ``check_every`` steps.
         check_every: steps between threshold checks (default ``every`` or 50); each check is one
-            all-reduce of the [L, E] loads.
+            all-reduce of the [L, E] loads and one of the kept steps' counts [T, L, E].
         max_moves: cap on expert copies per re-plan (passed to :func:`moebalance.plan`).
         move_cost: a :class:`~moebalance.planner.MoveCost`: also re-plan, at every check, as
             soon as some layer's moves save more step time over ``move_cost.steps`` steps than
@@ -168,6 +198,10 @@ class Rebalancer:
             Migrator(self.group, timeout_s=timeout_s).transfer_group()
         self.steps = 0
         self.last_counts = None
+        # each step's counts [T, L_tracked, E] on the device, T = the steps between decisions
+        self.steps_kept = min(self.every or self.check_every, self.check_every, STEPS_KEPT)
+        self._kept_TLE = None
+        self._kept_from = 0
         self.history: list[dict] = []
         self._migration = None
         self._report: dict | None = None
@@ -195,6 +229,7 @@ class Rebalancer:
         when this step started one, else None."""
         self.steps += 1
         self.last_counts = self.tracker.step()  # [L_tracked, E] of the step just closed, this rank
+        self._keep(self.last_counts)
         if self.speeds is not None:
             self.speeds.step(self.group)
         self._check_migration()
@@ -209,7 +244,7 @@ class Rebalancer:
                 set_device_speeds(self.model, self.topology.speed)
                 current = current_placement(self.model)
                 report = self._replan(loads, current,
-                                      summary_imbalance(loads, current, self.topology))
+                                      summary_imbalance(_mean(loads), current, self.topology))
                 report["speeds"] = self.topology.speed.tolist()
                 return report
         since = self.steps - self._last_replan
@@ -220,7 +255,7 @@ class Rebalancer:
             return None
         loads = self._loads()
         current = current_placement(self.model)
-        before = summary_imbalance(loads, current, self.topology)
+        before = summary_imbalance(_mean(loads), current, self.topology)
         if due or (self.threshold is not None and before > self.threshold):
             return self._replan(loads, current, before)
         if self.move_cost is not None:       # same reduced loads on every rank: same answer
@@ -229,16 +264,42 @@ class Rebalancer:
                 return self._replan(loads, current, before, new)
         return None
 
+    def _keep(self, counts_LE: torch.Tensor) -> None:
+        """Copy this step's counts into the ring of kept steps (on their device, no host sync)."""
+        if self._kept_TLE is None or self._kept_TLE.device != counts_LE.device:
+            self._kept_TLE = counts_LE.new_zeros((self.steps_kept, *counts_LE.shape))
+            self._kept_from = self.steps - 1     # steps before this one are not in the ring
+        with torch.no_grad():
+            self._kept_TLE[(self.steps - 1) % self.steps_kept].copy_(counts_LE)
+
+    def _kept_counts(self) -> np.ndarray | None:
+        """[T, L_tracked, E] float64: the kept steps' counts summed over the ranks, oldest
+        first (one all-reduce; every rank holds the same steps), or None before two steps."""
+        T = min(self.steps - self._kept_from, self.steps_kept) if self._kept_TLE is not None else 0
+        if T < 2:
+            return None
+        order = [(self.steps - T + t) % self.steps_kept for t in range(T)]
+        with torch.no_grad():
+            kept = self._kept_TLE[order].to(torch.float64)
+            if self.world_size > 1:
+                torch.distributed.all_reduce(kept, group=self.group)
+        return kept.cpu().numpy()
+
     def _loads(self) -> np.ndarray:
+        """The counts to plan for: [T, L, E] per step when at least two steps are kept, else the
+        tracker's [L, E]; every rank gets the same (reduced over the ranks)."""
         snapshot = self.tracker.snapshot(self.group)               # [L_tracked, E], all ranks
+        kept = self._kept_counts()
         placement = self.layers[0].placement
-        loads = np.zeros((placement.num_layers, placement.num_experts))
+        L, E = placement.num_layers, placement.num_experts
+        loads = np.zeros((L, E) if kept is None else (kept.shape[0], L, E))
+        source = snapshot if kept is None else kept
         for tracked, layer in self._rows:
-            loads[layer] = snapshot[tracked]
+            loads[..., layer, :] = source[..., tracked, :]
         covered = [layer for _, layer in self._rows]
-        if len(covered) < placement.num_layers:
+        if len(covered) < L:
             # Layers without a module here are not re-planned: keep their rows (see _replan).
-            loads[[i for i in range(placement.num_layers) if i not in covered]] = 1.0
+            loads[..., [i for i in range(L) if i not in covered], :] = 1.0
         return loads
 
     def _replan(self, loads: np.ndarray, current, before: float, new=None) -> dict:
@@ -248,7 +309,11 @@ class Rebalancer:
                        **self.plan_options)
         planned_ms = (time.perf_counter() - start) * 1e3
         self._check_agreement(new)
-        after = summary_imbalance(loads, new, self.topology)
+        after = summary_imbalance(_mean(loads), new, self.topology)
+        # per step after the re-split, on the steps plan() judges (on the loads before two steps)
+        judged = sampled(loads) if loads.ndim == 3 else loads[None]
+        steps_before = float(step_imbalance(judged, current, self.topology).mean())
+        steps_after = float(step_imbalance(judged, new, self.topology).mean())
         migration = apply_placement(self.model, new, self.optimizer, topology=self.topology,
                                     blocking=False, timeout_s=self.timeout_s,
                                     max_bytes_in_flight=self.max_bytes_in_flight)
@@ -256,14 +321,15 @@ class Rebalancer:
         if self._reset_after_replan:
             self.tracker.reset()
         report = {"step": self.steps, "imbalance_before": float(before),
-                  "imbalance_after": float(after), "moves": migration.plan.num_moves,
+                  "imbalance_after": float(after), "step_imbalance_before": steps_before,
+                  "step_imbalance_after": steps_after, "moves": migration.plan.num_moves,
                   "bytes": migration.plan.total_bytes, "plan_ms": planned_ms,
                   "migration_s": None, "error": None}
         self.history.append(report)
         self._migration, self._report = migration, report
-        log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f, %d moves, %.1f MB, "
-                 "plan %.1f ms",
-                 self.steps, before, after, report["moves"], report["bytes"] / 1e6, planned_ms)
+        log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f (per step %.4f -> %.4f), "
+                 "%d moves, %.1f MB, plan %.1f ms", self.steps, before, after, steps_before,
+                 steps_after, report["moves"], report["bytes"] / 1e6, planned_ms)
         if self.blocking:
             try:
                 migration.wait()

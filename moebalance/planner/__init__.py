@@ -53,50 +53,6 @@ def resplit_device_loads(counts_TE, phy2log_S, share_S, topology: Topology,
         share_S, MAX_SWEEPS)
 
 
-def step_imbalance(counts_TLE, placement: Placement, topology: Topology, *, resplit: bool = True,
-                   backend: str | None = None) -> np.ndarray:
-    """[T] the per-step imbalance of ``placement`` on each step's own counts.
-
-    Per step ``t`` of ``counts_TLE`` [T, L, E] (or [T, E] for one layer): ``sum_l max_g(load[g] /
-    speed[g]) / sum_l ideal`` (DESIGN's summary over layers) on that step's counts, the figure
-    that sets the step's time; its mean over the steps is the per-step imbalance the planner is
-    judged by. With ``resplit`` (the default, what the dispatcher does) each step's tokens are
-    re-split over the placement's replicas (:func:`resplit_device_loads`); without it every
-    replica takes its planned share. A step with no tokens counts as 1.0. It lives beside the
-    planner, not in :mod:`moebalance.metrics`, because the re-split runs the planner's kernels.
-    """
-    if not isinstance(placement, Placement):
-        raise TypeError(f"placement must be a moebalance.Placement, got "
-                        f"{type(placement).__name__}")
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
-    if placement.num_slots != topology.num_slots or not np.array_equal(
-            placement.slot_device, topology.slot_device):
-        raise ValueError("placement does not match topology: plan it for this topology")
-    arr = to_numpy(counts_TLE, "counts_TLE")
-    if arr.ndim == 2 and placement.num_layers == 1:
-        arr = arr[:, None, :]
-    if arr.ndim != 3 or arr.shape[1:] != (placement.num_layers, placement.num_experts):
-        raise ValueError(f"counts_TLE must have shape [steps, {placement.num_layers}, "
-                         f"{placement.num_experts}] (per-step counts of the placement's layers "
-                         f"and experts), got {tuple(arr.shape)}")
-    T, L, E = arr.shape
-    w = as_loads(arr.reshape(T * L, E), "counts_TLE").reshape(T, L, E)
-    speed = topology.speed
-    worst_TL = np.empty((T, L))
-    for layer in range(L):
-        if resplit:
-            load_TG = resplit_device_loads(w[:, layer], placement.phy2log[layer],
-                                           placement.share[layer], topology, backend)
-        else:
-            per_slot = w[:, layer, placement.phy2log[layer]] * placement.share[layer]
-            load_TG = np.zeros((T, topology.num_devices))
-            np.add.at(load_TG.T, placement.slot_device, per_slot.T)
-        worst_TL[:, layer] = (load_TG / speed).max(axis=1)
-    ideal_T = (w.sum(axis=2) / speed.sum()).sum(axis=1)
-    return np.where(ideal_T > 0, worst_TL.sum(axis=1) / np.where(ideal_T > 0, ideal_T, 1.0), 1.0)
-
-
 @dataclass(frozen=True)
 class MoveCost:
     """What one expert move costs, against the step time it saves until the next re-plan.
@@ -253,4 +209,4 @@ def _spread(spread, shape: tuple[int, int]) -> np.ndarray:
         as_loads(arr.reshape(-1, shape[1]), "spread").reshape(arr.shape))
 
 
-__all__ = ["MoveCost", "plan", "rebalance_experts", "resplit_device_loads", "step_imbalance"]
+__all__ = ["MoveCost", "plan", "rebalance_experts", "resplit_device_loads"]
