@@ -5,8 +5,9 @@
 * times its own expert arithmetic: the forward of ``layer.experts`` (or of SwiGLU experts of a
   given shape) on ``tokens`` rows spread over the slots, ``warmup`` untimed calls then
   ``repeats`` timed ones (CUDA events on GPUs, synchronised once at the end; the wall clock on
-  CPUs). On CPUs the ranks time *in turn* by default (in rank order, then in reverse): ranks on
-  one host share its cores, and timed together they would measure the sharing, not the device;
+  CPUs, each repeat over as many forwards as fill ``MIN_REPEAT_S``). On CPUs the ranks time
+  *in turn* by default (in rank order, then in reverse): ranks on one host share its cores, and
+  timed together they would measure the sharing, not the device;
 * reads the memory it can give to expert slots: ``memory`` bytes if given, else the free memory
   (``torch.cuda.mem_get_info`` on GPUs; ``MemAvailable`` over the ranks of the host on CPUs)
   less a ``reserve`` fraction for activations and the rest of the model; a slot costs its
@@ -41,6 +42,8 @@ __all__ = ["measure_devices", "node_key", "free_memory"]
 
 NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 TIMED_SLOTS = 4           # slots of the stand-in experts when no layer is given
+MIN_REPEAT_S = 0.02       # CPU repeats time forwards for at least this long (seconds) ...
+MAX_INNER = 64            # ... but no more than this many
 
 
 def node_key() -> str:
@@ -116,14 +119,20 @@ def _experts_of(layer, hidden_size, ffn_hidden_size, dtype, device):
 
 def _time_experts(experts, D: int, slots: int, dtype, device, tokens: int, warmup: int,
                   repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` forwards of ``experts`` on ``tokens`` rows."""
+    """Seconds of one forward of ``experts`` on ``tokens`` rows, ``repeats`` times.
+
+    On CPUs each repeat times as many forwards as fill ``MIN_REPEAT_S`` (at least one) and
+    reports their mean: the wall clock of a millisecond forward carries a scheduler tick of
+    noise, and a device that is held to a share of a core (or throttled in bursts) only shows
+    its rate over several forwards.
+    """
     split = [tokens // slots + (1 if s < tokens % slots else 0) for s in range(slots)]
     gen = torch.Generator(device="cpu").manual_seed(1)
     x_MD = torch.randn(tokens, D, generator=gen).to(device=device, dtype=dtype)
     with torch.no_grad():
-        for _ in range(warmup):
-            experts(x_MD, split)
         if device.type == "cuda":
+            for _ in range(warmup):
+                experts(x_MD, split)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(repeats)]
             for start, end in events:
@@ -132,11 +141,17 @@ def _time_experts(experts, D: int, slots: int, dtype, device, tokens: int, warmu
                 end.record()
             torch.cuda.synchronize(device)
             return [start.elapsed_time(end) / 1e3 for start, end in events]
+        began = time.perf_counter()
+        for _ in range(warmup):
+            experts(x_MD, split)
+        one = (time.perf_counter() - began) / warmup if warmup else 0.0
+        inner = max(1, min(MAX_INNER, int(np.ceil(MIN_REPEAT_S / one)))) if one > 0 else 1
         seconds = []
         for _ in range(repeats):
             begin = time.perf_counter()
-            experts(x_MD, split)
-            seconds.append(time.perf_counter() - begin)
+            for _ in range(inner):
+                experts(x_MD, split)
+            seconds.append((time.perf_counter() - begin) / inner)
         return seconds
 
 
