@@ -11,14 +11,18 @@ re-split ``w_E`` over the placement's replicas (:func:`~moebalance.dispatch.resp
 resplit_layer`, sweeps then the exact flow); then repeatedly
 
 1. take the slowest device ``h`` (largest load / speed) and its heaviest piece, expert ``e``;
-2. try two targets for a copy of ``e``: the coolest device with a free transient slot on a node
+2. two targets for a copy of ``e``: the coolest device with a free transient slot on a node
    that holds ``e`` (the copy crosses NVLink only) and the coolest such device anywhere (the
-   copy may cross the network); neither may hold ``e`` already;
-3. for each, re-split ``w_E`` with the copy as one more replica (starting with no share) and
-   take the saving: the drop of the slowest device's expert seconds;
-4. keep the better target if its saving exceeds what the copy costs the links, the weights'
-   bytes over the link in forward and the gradient's (the same bytes) back in backward
-   (``2 * bytes / bandwidth``, the slower end's bandwidth of the link class); else stop.
+   copy may cross the network); neither may hold ``e`` already. A copy costs the links the
+   weights' bytes in forward and the gradient's (the same bytes) back in backward:
+   ``2 * bytes / bandwidth``, the slower end's bandwidth of the link class;
+3. try them in the order of an estimate: ``h`` and the target alone evening out their times
+   (at most the piece moving), the drop of ``h``'s expert seconds less the copy's cost;
+4. a try re-splits ``w_E`` with the copy as one more replica (from the split so far, the copy
+   starting with no share); keep the first copy whose slowest device's expert seconds drop by
+   more than it costs (no re-split where its lower bound,
+   :func:`~moebalance.dispatch.resplit_kernel.resplit_bound`, already says it cannot);
+   stop when neither does.
 
 The copy comes from a holder of ``e`` on the target's node when there is one, else from ``h``.
 An expert takes at most :data:`MAX_COPIES` transient copies a step (the scratch table's width).
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...dispatch.resplit_kernel import RESPLIT_SWEEPS, resplit_layer, resplit_order
+from ...dispatch.resplit_kernel import RESPLIT_SWEEPS, resplit_bound, resplit_layer, resplit_order
 from ...planner._jit import kernel
 
 __all__ = ["MAX_COPIES", "GUIDES", "transient_choose", "transient_loads", "link_seconds"]
@@ -80,16 +84,26 @@ def _source(e, c, h, device_EX, n, node_G):
 
 @kernel
 def _resplit_into(w_E, device_EX, start_EX, speed_G, share_EX, load_G):
-    """Re-split ``w_E`` over ``device_EX`` from the shares ``start_EX``; share_EX and load_G
-    are written."""
-    G = speed_G.shape[0]
-    order_V, _ = resplit_order(device_EX, G)
-    share_EX[:] = start_EX
-    resplit_layer(w_E, device_EX, speed_G, order_V, share_EX, load_G, RESPLIT_SWEEPS, True)
+    """Re-split ``w_E`` over ``device_EX`` from the shares ``start_EX`` (0 for a replica without
+    one); share_EX and load_G are written. Runs on the table's used columns only (the
+    re-split's cost grows with X)."""
+    E, X = device_EX.shape
+    width = 1
+    for e in range(E):
+        for j in range(width, X):
+            if device_EX[e, j] < 0:
+                break
+            width = j + 1
+    used_EX = np.ascontiguousarray(device_EX[:, :width])
+    split_EX = np.ascontiguousarray(start_EX[:, :width])
+    order_V, _ = resplit_order(used_EX, speed_G.shape[0])
+    resplit_layer(w_E, used_EX, speed_G, order_V, split_EX, load_G, RESPLIT_SWEEPS, True)
+    share_EX[:, :width] = split_EX
+    share_EX[:, width:] = 0.0
 
 
 @kernel
-def transient_choose(w_E, device_EX, start_EX, devices_G5, unit, copy_bytes):
+def transient_choose(w_E, device_EX, start_EX, devices_G5, unit, copy_bytes, load_G):
     """Copies for one layer and step by the module docstring's greedy rule, on counts ``w_E``.
 
     Args:
@@ -102,6 +116,7 @@ def transient_choose(w_E, device_EX, start_EX, devices_G5, unit, copy_bytes):
         unit: seconds of expert work per unit of load / speed (flops per pair over the speed-1
             device's FLOP/s).
         copy_bytes: bytes of one expert's weights (and of its gradient).
+        load_G: [G] float64, out: the loads of ``w_E`` re-split with the copies.
 
     Returns:
         copies_C3: [C, 3] int64, (expert, source device, target device) of every copy, in the
@@ -115,10 +130,7 @@ def transient_choose(w_E, device_EX, start_EX, devices_G5, unit, copy_bytes):
     free_G = devices_G5[:, 2].copy()
     share_EX = np.empty_like(start_EX)
     trial_EX = np.empty_like(start_EX)
-    kept_EX = np.empty_like(start_EX)
-    load_G = np.empty(G, dtype=np.float64)
     trial_G = np.empty(G, dtype=np.float64)
-    kept_G = np.empty(G, dtype=np.float64)
     count_E = np.zeros(E, dtype=np.int64)
     for e in range(E):
         for j in range(X):
@@ -162,38 +174,50 @@ def transient_choose(w_E, device_EX, start_EX, devices_G5, unit, copy_bytes):
                 near = g
             if far < 0 or t < load_G[far] / speed_G[far]:
                 far = g
-        best = -1
-        best_src = -1
-        best_net = 0.0
+        # targets in the order of a two-device estimate: ``h`` and the target alone evening
+        # out (at most the piece moving), less the copy's cost
+        target_2 = np.full(2, -1, dtype=np.int64)
+        source_2 = np.full(2, -1, dtype=np.int64)
+        cost_2 = np.zeros(2)
+        guess_2 = np.zeros(2)
         for which in range(2):
-            c = near if which == 0 else far
-            if c < 0 or (which == 1 and far == near):
+            d = near if which == 0 else far
+            if d < 0 or (which == 1 and d == near):
                 continue
-            src = _source(e, c, h, device_EX, count_E[e], node_G)
-            k = 3 if node_G[src] == node_G[c] else 4
-            cost = 2.0 * copy_bytes / min(devices_G5[c, k], devices_G5[src, k])
-            n = count_E[e]
-            device_EX[e, n] = c
-            _resplit_into(w_E, device_EX, start_EX, speed_G, trial_EX, trial_G)
+            s = _source(e, d, h, device_EX, count_E[e], node_G)
+            k = 3 if node_G[s] == node_G[d] else 4
+            target_2[which] = d
+            source_2[which] = s
+            cost_2[which] = 2.0 * copy_bytes / min(devices_G5[d, k], devices_G5[s, k])
+            moved = (load_G[h] * speed_G[d] - load_G[d] * speed_G[h]) / (speed_G[h] + speed_G[d])
+            guess_2[which] = min(piece, max(moved, 0.0)) / speed_G[h] * unit - cost_2[which]
+        first = 1 if target_2[0] < 0 or (target_2[1] >= 0 and guess_2[1] > guess_2[0]) else 0
+        c = -1
+        src = -1
+        n = count_E[e]
+        for which in (first, 1 - first):
+            d = target_2[which]
+            if d < 0:
+                continue
+            device_EX[e, n] = d
+            # the re-split cannot beat its lower bound: no trial where even that saves too little
+            if (now - resplit_bound(w_E, device_EX, speed_G, load_G)) * unit > cost_2[which]:
+                _resplit_into(w_E, device_EX, share_EX, speed_G, trial_EX, trial_G)
+                if (now - _slowest_time(trial_G, speed_G)) * unit > cost_2[which]:
+                    c = d
+                    src = source_2[which]
+                    break
             device_EX[e, n] = -1
-            net = (now - _slowest_time(trial_G, speed_G)) * unit - cost
-            if net > best_net:
-                best_net = net
-                best = c
-                best_src = src
-                kept_EX[:] = trial_EX
-                kept_G[:] = trial_G
-        if best < 0:
+        if c < 0:
             break
-        device_EX[e, count_E[e]] = best
         count_E[e] += 1
-        free_G[best] -= 1
+        free_G[c] -= 1
         copies[made, 0] = e
-        copies[made, 1] = best_src
-        copies[made, 2] = best
+        copies[made, 1] = src
+        copies[made, 2] = c
         made += 1
-        share_EX[:] = kept_EX
-        load_G[:] = kept_G
+        share_EX[:] = trial_EX
+        load_G[:] = trial_G
     return copies[:made]
 
 
@@ -265,8 +289,14 @@ def transient_loads(counts_TE, guide_TE, phy2log_S, share_S, slot_device_S, devi
             guide_E[e] = guide_TE[t, e]
         device_EX[:] = base_EX
         copies_C3 = transient_choose(guide_E, device_EX, start_EX, devices_G5, unit_bytes_2[0],
-                                     unit_bytes_2[1])
-        _resplit_into(w_E, device_EX, start_EX, speed_G, share_EX, load_G)
+                                     unit_bytes_2[1], load_G)
+        same = True
+        for e in range(E):
+            if w_E[e] != guide_E[e]:
+                same = False
+                break
+        if not same:          # chosen on another step's counts: this step's re-split
+            _resplit_into(w_E, device_EX, start_EX, speed_G, share_EX, load_G)
         load_TG[t] = load_G
         copies_T[t] = copies_C3.shape[0]
         link_seconds(copies_C3, devices_G5, unit_bytes_2[1], seconds_TG[t])
