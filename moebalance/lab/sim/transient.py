@@ -42,7 +42,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...dispatch.resplit_kernel import RESPLIT_SWEEPS, resplit_bound, resplit_layer, resplit_order
+from ...dispatch.resplit_kernel import (
+    RESPLIT_SWEEPS,
+    resplit_bound,
+    resplit_columns,
+    resplit_layer,
+    resplit_order,
+)
 from ...planner._jit import kernel
 
 __all__ = ["MAX_COPIES", "GUIDES", "transient_choose", "transient_loads", "link_seconds"]
@@ -262,19 +268,12 @@ def transient_loads(counts_TE, guide_TE, phy2log_S, share_S, slot_device_S, devi
     T, E = counts_TE.shape
     G = devices_G5.shape[0]
     speed_G = np.ascontiguousarray(devices_G5[:, 0])
-    S = phy2log_S.shape[0]
-    count_E = np.zeros(E, dtype=np.int64)
-    for s in range(S):
-        count_E[phy2log_S[s]] += 1
-    X = count_E.max() + MAX_COPIES
+    placed_EX, placed_share_EX = resplit_columns(phy2log_S, slot_device_S, share_S, E)
+    X = placed_EX.shape[1] + MAX_COPIES        # room for the copies
     base_EX = np.full((E, X), -1, dtype=np.int64)
     start_EX = np.zeros((E, X), dtype=np.float64)
-    count_E[:] = 0
-    for s in range(S):
-        e = phy2log_S[s]
-        base_EX[e, count_E[e]] = slot_device_S[s]
-        start_EX[e, count_E[e]] = share_S[s]
-        count_E[e] += 1
+    base_EX[:, :placed_EX.shape[1]] = placed_EX
+    start_EX[:, :placed_EX.shape[1]] = placed_share_EX
     load_TG = np.zeros((T, G), dtype=np.float64)
     seconds_TG = np.zeros((T, G), dtype=np.float64)
     copies_T = np.zeros(T, dtype=np.int64)
