@@ -28,7 +28,7 @@ The copy comes from a holder of ``e`` on the target's node when there is one, el
 An expert takes at most :data:`MAX_COPIES` transient copies a step (the scratch table's width).
 
 **Guides.** The copies of step ``t`` are chosen either on step ``t - 1``'s counts (made ahead,
-behind the previous step's compute; the prediction may miss) or on step ``t``'s own counts (known
+hidden behind compute; the prediction may miss) or on step ``t``'s own counts (known
 once the dispatcher's count exchange is done; the copy then sits on the critical path). Either
 way the step's tokens are re-split over the placement plus the copies with step ``t``'s counts.
 Adding replicas never raises the re-split's optimum, so a step's slowest device never gets slower.
