@@ -128,6 +128,8 @@ class ModelShape:
             optimizer state this device keeps; 16 = bf16 weight and gradient, fp32 master and
             two Adam moments).
         moved_bytes_per_param: bytes a move transfers per parameter (14: all but the gradient).
+        weight_bytes_per_param: bytes of one weight as the experts compute with it (2: bf16);
+            a transient copy moves and holds the weights and a gradient of the same size.
         layers_per_device: MoE layers whose experts one device holds (layers / pipeline stages).
         expert_memory_fraction: share of device memory set aside for expert slots.
         remote_copies_per_pair: bytes that cross nodes per (token, expert) pair sent off-node,
@@ -153,6 +155,7 @@ class ModelShape:
     activation_bytes: float = 2.0
     resident_bytes_per_param: float = 16.0
     moved_bytes_per_param: float = 14.0
+    weight_bytes_per_param: float = 2.0
     layers_per_device: int | None = None
     expert_memory_fraction: float = 0.35
     remote_copies_per_pair: float = 1.0
@@ -175,6 +178,7 @@ class ModelShape:
                              f"num_groups dividing num_experts, got top_k {self.top_k}, "
                              f"{self.num_experts} experts in {self.num_groups} groups")
         for name in ("activation_bytes", "resident_bytes_per_param", "moved_bytes_per_param",
+                     "weight_bytes_per_param",
                      "expert_memory_fraction", "remote_copies_per_pair",
                      "non_moe_flops_per_token", "redundancy"):
             value = getattr(self, name)
@@ -203,6 +207,11 @@ class ModelShape:
     @property
     def bytes_per_move(self) -> float:
         return self.expert_params * self.moved_bytes_per_param
+
+    @property
+    def copy_bytes(self) -> float:
+        """Bytes of one expert's weights: what a transient copy moves (and its gradient back)."""
+        return self.expert_params * self.weight_bytes_per_param
 
     def with_trace_shape(self, num_layers: int, num_experts: int) -> "ModelShape":
         """This shape for a trace of ``num_layers`` x ``num_experts`` (groups kept if they
@@ -303,6 +312,31 @@ class ClusterSpec:
                 f"{layers} layers): add devices, raise expert_memory_fraction or lower "
                 f"resident_bytes_per_param (optimizer state sharded elsewhere)")
         return slots
+
+    def transient_slots(self, model: ModelShape) -> np.ndarray:
+        """[G] int64 transient slots per layer that fit beside the expert slots on every device.
+
+        A transient slot holds one expert's weights and their gradient for one step
+        (``2 x weight_bytes_per_param`` per parameter) in each of the layers the device holds;
+        it takes what the expert slots (:meth:`slots`) leave of the memory set aside for
+        experts."""
+        layers = model.layers_per_device or model.num_layers
+        per_slot = model.expert_params * model.resident_bytes_per_param * layers
+        free = (self.kind_array("memory") * model.expert_memory_fraction
+                - self.slots(model) * per_slot)
+        per_copy = 2.0 * model.copy_bytes * layers
+        return np.floor(np.maximum(free, 0.0) / per_copy).astype(np.int64)
+
+    def check_transient(self, model: ModelShape, transient: int) -> None:
+        """ValueError unless every device has ``transient`` transient slots free."""
+        fit = self.transient_slots(model)
+        if transient > fit.min():
+            g = int(fit.argmin())
+            raise ValueError(
+                f"cluster {self.name!r}: transient={transient} slots per device do not fit: "
+                f"device {g} ({self.kinds[g]}) has room for {int(fit[g])} beside its "
+                f"{int(self.slots(model)[g])} expert slots ({2 * model.copy_bytes / GB:.2f} GB "
+                f"per layer each): lower transient or raise expert_memory_fraction")
 
     def topology(self, model: ModelShape) -> Topology:
         """The planner's view: relative expert speed, slots and node of every device."""

@@ -4,6 +4,7 @@
                         [--trace generated|mixtral|qwen3_moe|FILE] [--steps N] [--every N]
                         [--window N] [--max-moves N | --no-move-price] [--out DIR]
                         [--straggler STEP:DEVICE:FACTOR ...] [--speed-every N]
+                        [--transient K [--transient-guide previous|current|both]]
 
 For every cluster: a trace (generated at the model's shape and the cluster's batch, or a recorded
 one), the five policies of :func:`~.policies.default_policies`, and per policy the modelled
@@ -16,6 +17,11 @@ A cluster whose device speeds change (``--straggler``, or ``speed_changes`` in a
 gets a sixth row: moebalance with the re-split and speed tracking (a
 :class:`moebalance.SpeedTracker` exchanging speeds every ``--speed-every`` steps); the other
 policies keep planning for the nominal speeds.
+
+With ``--transient K`` (K > 0) one more row per guide: moebalance with the re-split and K
+transient slots per device, each step's hot experts' weights copied for that step to cold devices
+(:mod:`.transient`), chosen on the previous step's counts (made ahead) and/or on the step's own
+(on the critical path); the ``transient (s)`` column is the copies' exposed seconds per step.
 """
 
 from __future__ import annotations
@@ -86,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed-every", type=positive_int_arg, default=10, metavar="N",
                         help="steps between the speed-tracking row's speed exchanges "
                              "(default 10)")
+    parser.add_argument("--transient", type=nonneg_int_arg, default=0, metavar="K",
+                        help="add moebalance + re-split rows with K transient slots per device "
+                             "(a hot expert's weights copied to a cold device for one step; "
+                             "default 0: no such rows)")
+    parser.add_argument("--transient-guide", default="both",
+                        choices=("previous", "current", "both"),
+                        help="counts the transient copies are chosen on: the previous step's "
+                             "(copies made ahead), the step's own (copies on the critical "
+                             "path) or one row each (default both)")
     parser.add_argument("--no-plots", action="store_true", help="skip the plots")
     parser.add_argument("--out", default=os.path.join("bench-out", "simulate"), metavar="DIR",
                         help="folder for results.json, summary.md and plots "
@@ -134,6 +149,15 @@ def _step_model(cluster: ClusterSpec, model):
         return StepModel(cluster, model)
     except ValueError as err:
         raise UsageError(f"--cluster {cluster.name}: {err}") from None
+
+
+def _check_transient(transient: int, cluster: ClusterSpec, model) -> None:
+    """UsageError unless ``transient`` slots per device fit beside the expert slots."""
+    if transient:
+        try:
+            cluster.check_transient(model, transient)
+        except ValueError as err:
+            raise UsageError(f"--transient: {err}") from None
 
 
 def _trace_for(args, cluster: ClusterSpec, model, steps: int, warmup: int):
@@ -203,7 +227,7 @@ def replans_in(steps: int, warmup: int, every: int) -> int:
 
 COLUMNS = ["policy", "tokens/s", "vs EPLB", "mean step (s)", "p99 step (s)", "imbalance",
            "re-plans", "moves/re-plan", "GB/re-plan", "plan (ms)", "experts (s)",
-           "all-to-all (s)", "rest (s)", "migration (s)"]
+           "all-to-all (s)", "rest (s)", "migration (s)", "copies/step", "transient (s)"]
 
 
 def _cells(summaries: list[dict]) -> list[list[str]]:
@@ -217,7 +241,8 @@ def _cells(summaries: list[dict]) -> list[list[str]]:
                      f"{s['moves_per_replan']:.0f}", f"{s['bytes_per_replan'] / 1e9:.1f}",
                      f"{s['plan_s'] * 1e3:.0f}", f"{s['mean_expert_compute_s']:.3f}",
                      f"{s['mean_all_to_all_s']:.3f}", f"{s['mean_non_moe_s']:.3f}",
-                     f"{s['mean_migration_s']:.4f}"])
+                     f"{s['mean_migration_s']:.4f}", f"{s['copies_per_step']:.0f}",
+                     f"{s['mean_transient_s']:.4f}"])
     return rows
 
 
@@ -240,7 +265,7 @@ def _plot(sim, path: Path) -> None:
     ax.set(xlabel="step", ylabel="seconds", title="modelled step time")
     ax = axes[1, 0]
     bottom = np.zeros(len(sim.runs))
-    for term in ("expert_compute", "all_to_all", "non_moe", "migration"):
+    for term in ("expert_compute", "all_to_all", "non_moe", "migration", "transient"):
         values = np.array([run.terms[term].mean() for run in sim.runs])
         ax.bar(range(len(sim.runs)), values, bottom=bottom, label=term.replace("_", " "))
         bottom += values
@@ -289,6 +314,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.trace == "generated":        # a model that does not fit fails before any work
             _step_model(cluster, base_model)
             _check_replans(steps, window, every)
+            _check_transient(args.transient, cluster, base_model)
         counts, model, what = _trace_for(args, cluster, base_model, steps, window)
         step_model = _step_model(cluster, model)
         price = move_price(step_model, every, model.num_layers) if args.move_price else None
@@ -298,7 +324,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
             # a 5% move of some device's relative speed re-plans: steady speeds never do
             speeds = SpeedTracker(args.speed_every, min_change=0.05)
-        policies = default_policies(every, window, price, args.max_moves, speeds)
+        _check_transient(args.transient, cluster, model)
+        guides = ("previous", "current") if args.transient_guide == "both" else (
+            args.transient_guide,)
+        policies = default_policies(every, window, price, args.max_moves, speeds,
+                                    transient=args.transient, guides=guides)
         simulated = counts.shape[0] - window
         _check_replans(simulated, window, every)
         if args.layer is not None and args.layer >= model.num_layers:
@@ -338,6 +368,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "runs": [{"policy": r.name, "replans": r.replans,
                       "step_seconds": r.step_seconds.round(6).tolist(),
                       "imbalance": r.imbalance.round(5).tolist(),
+                      "copies": r.copies.tolist(),
                       "layer_loads": r.layer_loads.tolist()} for r in sim.runs],
             "plot": plot.name if plot else None})
     md += ["Step model: moebalance/lab/sim/stepmodel.py (formulas in its docstring); "

@@ -26,7 +26,11 @@ policy's ``migration`` mode (see :mod:`.stepmodel`).
   ``min_change``, ``window``) the policy adopts the measured topology and re-plans at once; its
   plans and its re-split then use the measured speeds. The planner's move price (``move_cost``)
   stands in for the tracker's saving-against-price test. Without it, a policy plans for the
-  nominal speeds throughout (what EPLB and a fixed topology do).
+  nominal speeds throughout (what EPLB and a fixed topology do). With ``transient=k`` (and the
+  re-split) every device has ``k`` transient slots per layer: each step, hot experts' weights are
+  copied for that step to cold devices by :mod:`.transient`'s greedy rule, chosen on the
+  ``guide`` counts ("previous": the step before, copies made ahead; "current": the step's own,
+  copies on the critical path), and charged by the step model.
 * :class:`Oracle`: the bound. It knows each step's loads and spreads them over the devices in
   proportion to their speed (what no placement with integer replicas beats), with no migration.
 
@@ -44,6 +48,7 @@ from ..._check import integer, positive_int
 from ...placement import Placement
 from ...planner import MoveCost, plan
 from ...topology import Device, Topology
+from .transient import GUIDES
 
 __all__ = ["Policy", "StaticUniform", "EPLBPeriodic", "MoebalancePeriodic", "Oracle",
            "default_policies"]
@@ -54,6 +59,8 @@ class Policy(ABC):
 
     Attributes:
         name: row label. resplit: re-split each step's tokens over the replicas.
+        transient: transient slots per device and layer (0: none); guide: the counts their
+            copies are chosen on ("previous" or "current" step's).
         migration: "live", "blocking" or "free" (see :mod:`.stepmodel`).
         oracle: loads follow device speed exactly (no placement).
         plan_seconds: wall time of every plan made so far (host seconds).
@@ -61,6 +68,8 @@ class Policy(ABC):
 
     name = "policy"
     resplit = False
+    transient = 0
+    guide = "previous"
     migration = "live"
     oracle = False
 
@@ -146,14 +155,26 @@ class MoebalancePeriodic(_Periodic):
         move_cost: a :class:`~moebalance.planner.MoveCost` pricing moves (see
             :func:`~moebalance.lab.sim.move_price` for one from the cluster); None: no price.
         resplit: re-split each step's tokens over the replicas.
+        speeds: a :class:`moebalance.SpeedTracker` to follow measured speeds, or None.
+        transient: transient slots per device and layer (needs ``resplit``; 0: none).
+        guide: "previous" or "current": the step whose counts the transient copies are chosen
+            on (see :mod:`.transient`).
     """
 
     def __init__(self, every: int, window: int | None = None, *, max_moves: int | None = None,
                  move_cost: MoveCost | None = None, resplit: bool = False,
-                 speeds=None) -> None:
+                 speeds=None, transient: int = 0, guide: str = "previous") -> None:
         from ...speeds import SpeedTracker
 
         super().__init__(every, window)
+        self.transient = integer(transient, "transient (slots per device)", 0)
+        if guide not in GUIDES:
+            raise ValueError(f"guide must be one of {GUIDES} (the step whose counts choose the "
+                             f"transient copies), got {guide!r}")
+        if self.transient and not resplit:
+            raise ValueError(f"transient={self.transient} needs resplit=True: the copies serve "
+                             f"tokens through the per-step re-split")
+        self.guide = guide
         if max_moves is not None:
             max_moves = integer(max_moves, "max_moves", 0)
         if speeds is not None and not isinstance(speeds, SpeedTracker):
@@ -165,7 +186,8 @@ class MoebalancePeriodic(_Periodic):
         limit = (f", <= {max_moves} moves" if max_moves is not None
                  else ", priced moves" if move_cost is not None else "")
         self.name = (f"moebalance every {self.every}{limit}" + (" + re-split" if resplit else "")
-                     + (" + speed tracking" if speeds is not None else ""))
+                     + (" + speed tracking" if speeds is not None else "")
+                     + (f" + {self.transient} transient ({guide})" if self.transient else ""))
 
     def bind(self, topology, speed_TG=None):
         from ...speeds import SpeedTracker
@@ -217,11 +239,17 @@ class Oracle(Policy):
 
 
 def default_policies(every: int, window: int | None, move_cost: MoveCost | None,
-                     max_moves: int | None = None, speeds=None) -> list[Policy]:
+                     max_moves: int | None = None, speeds=None, transient: int = 0,
+                     guides: tuple[str, ...] = ("previous", "current")) -> list[Policy]:
     """The five rows of ``moebalance simulate``: static, EPLB periodic, moebalance periodic with
-    and without the per-step re-split, and the oracle; with ``speeds`` (a
-    :class:`moebalance.SpeedTracker`, for clusters whose speeds change) a sixth before the
-    oracle: moebalance periodic with the re-split and speed tracking."""
+    and without the per-step re-split, and the oracle; with ``transient`` > 0, one row per guide
+    in ``guides`` after the re-split's: moebalance periodic with the re-split and that many
+    transient slots per device; with ``speeds`` (a :class:`moebalance.SpeedTracker`, for
+    clusters whose speeds change) one more before the oracle: moebalance periodic with the
+    re-split and speed tracking."""
+    copies = [MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
+                                 resplit=True, transient=transient, guide=guide)
+              for guide in (guides if transient else ())]
     tracked = [] if speeds is None else [
         MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
                            resplit=True, speeds=speeds)]
@@ -229,4 +257,4 @@ def default_policies(every: int, window: int | None, move_cost: MoveCost | None,
             MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost),
             MoebalancePeriodic(every, window, max_moves=max_moves, move_cost=move_cost,
                                resplit=True),
-            *tracked, Oracle()]
+            *copies, *tracked, Oracle()]

@@ -8,7 +8,8 @@ with the per-step re-split, every step's tokens re-split over the replicas by th
 own kernel (:func:`moebalance.dispatch.resplit_kernel.resplit_loads`: water-filling sweeps, then
 the exact flow, with the speeds the policy believes). The :class:`~.stepmodel.StepModel` turns
 loads into seconds at the speeds the devices run at (the cluster's ``speed_changes`` applied step
-by step).
+by step). A policy with transient slots (:mod:`.transient`) re-splits every step over its placement
+plus that step's transient copies, and the step model charges the copies' transfers.
 
 Legend: T steps, L layers, E experts, G devices, S slots.
 """
@@ -29,7 +30,7 @@ from .stepmodel import StepModel
 
 __all__ = ["PolicyRun", "Simulation", "simulate", "scale_trace", "move_price"]
 
-TERMS = ("expert_compute", "all_to_all", "non_moe", "migration")
+TERMS = ("expert_compute", "all_to_all", "non_moe", "migration", "transient")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class PolicyRun:
             transfer, slowest stage) and exposed (seconds it added to the step).
         layer_loads: [G] mean load of every device on the layer ``Simulation.shown_layer``.
         start_plan_seconds: the initial placement's planning time.
+        copies: [T] transient copies made at every step (all layers; zeros without them).
     """
 
     name: str
@@ -55,6 +57,7 @@ class PolicyRun:
     replans: list[dict] = field(default_factory=list)
     layer_loads: np.ndarray | None = None
     start_plan_seconds: float = 0.0
+    copies: np.ndarray | None = None
 
     def summary(self, tokens_per_step: float) -> dict:
         """Scalar figures of the run (see ``moebalance simulate``'s table)."""
@@ -72,6 +75,7 @@ class PolicyRun:
             "exposed_migration_s": float(sum(r["exposed"] for r in self.replans)),
             "plan_s": float(np.mean([r["plan_seconds"] for r in self.replans])) if n else
             self.start_plan_seconds,
+            "copies_per_step": float(self.copies.mean()) if self.copies is not None else 0.0,
             **{f"mean_{k}_s": float(v.mean()) for k, v in self.terms.items()},
         }
 
@@ -137,6 +141,31 @@ def _resplit_loads(w_BLE: np.ndarray, placement: Placement, topology: Topology) 
                                 placement.phy2log[layer], placement.share[layer], speed_G,
                                 placement.slot_device, RESPLIT_SWEEPS, True)
     return out
+
+
+def _transient_loads(policy: Policy, w_BLE: np.ndarray, guide_BLE: np.ndarray,
+                     placement: Placement, topology: Topology, step_model: StepModel
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Loads [B, L, G], copy seconds [B, L, G] and copies [B] of steps ``w_BLE`` under
+    ``placement`` plus each step's transient copies, chosen on ``guide_BLE`` [B, L, E]."""
+    B, L, _ = w_BLE.shape
+    G = topology.num_devices
+    devices_G5 = np.stack([topology.speed, step_model.node_G.astype(np.float64),
+                           np.full(G, float(policy.transient)), step_model.intra_bw_G,
+                           step_model.inter_bw_G], axis=1)
+    unit_bytes = np.array([step_model.model.flops_per_pair / step_model.flops_G.max(),
+                           step_model.model.copy_bytes])
+    kernel = _jit.kernels().transient_loads   # registered when .policies imports .transient
+    loads = np.empty((B, L, G))
+    seconds = np.empty((B, L, G))
+    copies = np.zeros(B, dtype=np.int64)
+    for layer in range(L):
+        loads[:, layer], seconds[:, layer], made = kernel(
+            np.ascontiguousarray(w_BLE[:, layer]), np.ascontiguousarray(guide_BLE[:, layer]),
+            placement.phy2log[layer], placement.share[layer], placement.slot_device, devices_G5,
+            unit_bytes)
+        copies += made
+    return loads, seconds, copies
 
 
 def _device_loads(policy: Policy, w_BLE: np.ndarray, placement: Placement | None,
@@ -215,6 +244,10 @@ def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: Step
             current = new
             placements[t] = (current, policy.topology)
     n = T - warmup
+    if policy.transient:
+        step_model.cluster.check_transient(step_model.model, policy.transient)
+    transient = np.zeros(n)
+    copies = np.zeros(n, dtype=np.int64)
     layer_terms = {k: np.empty((n, L)) for k in ("expert_compute", "all_to_all", "non_moe")}
     imbalance = np.empty(n)
     shown = np.zeros(topology.num_devices)
@@ -223,15 +256,25 @@ def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: Step
         for lo in range(begin, end, CHUNK_STEPS):
             hi = min(lo + CHUNK_STEPS, end)
             placement, believed = placements[begin]
-            loads = _device_loads(policy, w_TLE[lo:hi], placement, believed, speed_TG[lo:hi])
-            for k, v in step_model.layer_terms(loads, factors_TG[lo:hi]).items():
+            if policy.transient:
+                guide = w_TLE[lo - 1:hi - 1] if policy.guide == "previous" else w_TLE[lo:hi]
+                loads, copy_seconds, copies[lo - warmup:hi - warmup] = _transient_loads(
+                    policy, w_TLE[lo:hi], guide, placement, believed, step_model)
+            else:
+                loads = _device_loads(policy, w_TLE[lo:hi], placement, believed, speed_TG[lo:hi])
+            chunk_terms = step_model.layer_terms(loads, factors_TG[lo:hi])
+            for k, v in chunk_terms.items():
                 layer_terms[k][lo - warmup:hi - warmup] = v
+            if policy.transient:
+                transient[lo - warmup:hi - warmup] = step_model.transient_seconds(
+                    copy_seconds, loads, chunk_terms, policy.guide)
             imbalance[lo - warmup:hi - warmup] = step_model.imbalance(loads, factors_TG[lo:hi])
             shown += loads[:, shown_layer].sum(axis=0)
         if progress is not None:
             progress(end - begin)
     terms = {k: v.sum(axis=1) for k, v in layer_terms.items()}
     terms["migration"] = np.zeros(n)
+    terms["transient"] = transient
     replans = []
     for t, new, old, plan_seconds in changes:
         stage_seconds, nbytes, moves = step_model.migration(old, new)
@@ -242,4 +285,4 @@ def _run_policy(policy: Policy, w_TLE: np.ndarray, warmup: int, step_model: Step
                         "seconds": float(stage_seconds.max()), "exposed": exposed})
     return PolicyRun(name=policy.name, step_seconds=sum(terms.values()), terms=terms,
                      imbalance=imbalance, replans=replans, layer_loads=shown / n,
-                     start_plan_seconds=start_plan)
+                     start_plan_seconds=start_plan, copies=copies)

@@ -34,6 +34,19 @@ the part longer than that step's compute on the stage (expert GEMMs and the rest
 not its all-to-all, which shares the links); a *blocking* one (training stops while experts
 move) is exposed entirely.
 
+**Transient copies** (:mod:`.transient`). A copy of one expert's weights for one step costs a
+device ``c_g``: per link class, the larger of its in- and outgoing copy bytes over its own
+bandwidth, summed over the classes (as a migration's transfer); the gradient's reduce back to the
+owner in backward moves the same bytes the other way (the same ``c_g``). Copies chosen on the
+*previous* step's counts are made ahead: a stage's copies and reduces (``2 c_g`` summed over its
+layers, slowest device) are exposed by the part longer than the stage's compute (a live
+migration's window). Copies chosen on *this* step's counts wait for the count exchange and share
+the links with the layer's dispatch: the forward exposes ``max_g (a_g + c_g) - max_g a_g`` per
+layer (an upper bound: the copy's bytes taken as not sharing the direction the dispatch leaves
+idle); the reduces are exposed beyond the backward's share of the stage's compute
+(:data:`BACKWARD_SHARE`). Stages run one after another in this model, so their exposed seconds
+add.
+
 Legend: T steps, L layers, E experts, G devices, S slots.
 """
 
@@ -49,6 +62,10 @@ __all__ = ["StepModel"]
 
 # Exchanges per layer and step: dispatch and combine, forward and backward.
 EXCHANGES = 4
+
+# Backward's share of a layer's compute: 12 D F of the 18 D F per pair (and the same 2:1 for
+# the rest of the layer's matrix products).
+BACKWARD_SHARE = 2.0 / 3.0
 
 
 class StepModel:
@@ -98,6 +115,10 @@ class StepModel:
 
     def all_to_all_seconds(self, loads_TLG: np.ndarray) -> np.ndarray:
         """[T, L] the four exchanges of each layer, set by the slowest device."""
+        return EXCHANGES * self.exchange_seconds(loads_TLG).max(axis=-1)
+
+    def exchange_seconds(self, loads_TLG: np.ndarray) -> np.ndarray:
+        """[T, L, G] one exchange's seconds on every device (``a_g`` of the module docstring)."""
         G, m = self.G, self.model
         node_load = loads_TLG @ self.node_onehot_GN                             # [T, L, N]
         on_node = node_load[..., self.node_G]                                   # [T, L, G]
@@ -105,10 +126,9 @@ class StepModel:
         send_inter = (self.pairs - on_node) / G
         recv_intra = loads_TLG * (self.node_size_G - 1) / G
         recv_inter = loads_TLG * (G - self.node_size_G) / G
-        seconds = (np.maximum(send_intra, recv_intra) * m.row_bytes / self.intra_bw_G
-                   + np.maximum(send_inter, recv_inter) * m.row_bytes * m.remote_copies_per_pair
-                   / self.inter_bw_G + self.latency_G)
-        return EXCHANGES * seconds.max(axis=-1)
+        return (np.maximum(send_intra, recv_intra) * m.row_bytes / self.intra_bw_G
+                + np.maximum(send_inter, recv_inter) * m.row_bytes * m.remote_copies_per_pair
+                / self.inter_bw_G + self.latency_G)
 
     def imbalance(self, loads_TLG: np.ndarray, factors_TG: np.ndarray | None = None
                   ) -> np.ndarray:
@@ -184,6 +204,30 @@ class StepModel:
         stage = self.stage_of_layer(busy.shape[0])
         window = np.bincount(stage, weights=busy, minlength=stage_seconds.size)
         return float(np.maximum(stage_seconds - window, 0.0).max())
+
+    def transient_seconds(self, copy_TLG: np.ndarray, loads_TLG: np.ndarray,
+                          terms_TL: dict[str, np.ndarray], guide: str) -> np.ndarray:
+        """[T] seconds the steps' transient copies add (the module docstring's rule).
+
+        Args:
+            copy_TLG: [T, L, G] each device's transfer seconds ``c_g`` of the weight copies.
+            loads_TLG: [T, L, G] the loads the steps ran with (the dispatch they share links
+                with). terms_TL: :meth:`layer_terms` of those loads.
+            guide: "previous" (copies made ahead) or "current" (on the critical path).
+        """
+        busy_TL = terms_TL["expert_compute"] + terms_TL["non_moe"]
+        stage = self.stage_of_layer(busy_TL.shape[1])
+        starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]])
+        window_TS = np.add.reduceat(busy_TL, starts, axis=1)
+        copy_TS = np.add.reduceat(copy_TLG, starts, axis=1).max(axis=-1)
+        if guide == "previous":
+            return np.maximum(2.0 * copy_TS - window_TS, 0.0).sum(axis=1)
+        if guide != "current":
+            raise ValueError(f"guide must be 'previous' or 'current', got {guide!r}")
+        a_TLG = self.exchange_seconds(loads_TLG)
+        forward = ((a_TLG + copy_TLG).max(axis=-1) - a_TLG.max(axis=-1)).sum(axis=1)
+        backward = np.maximum(copy_TS - BACKWARD_SHARE * window_TS, 0.0).sum(axis=1)
+        return forward + backward
 
     def ideal_moe_seconds(self, num_layers: int) -> float:
         """Expert compute of one perfectly balanced step (the move price's step time)."""
