@@ -6,8 +6,9 @@
   given shape) on ``tokens`` rows spread over the slots, ``warmup`` untimed calls then
   ``repeats`` timed ones (CUDA events on GPUs, synchronised once at the end; the wall clock on
   CPUs, each repeat over as many forwards as fill ``MIN_REPEAT_S``). On CPUs the ranks time
-  *in turn* by default (in rank order, then in reverse): ranks on one host share its cores, and
-  timed together they would measure the sharing, not the device;
+  *in turn* by default, one repeat each per round (rounds alternately in rank order and in
+  reverse): ranks on one host share its cores, and timed together they would measure the
+  sharing, not the device;
 * reads the memory it can give to expert slots: ``memory`` bytes if given, else the free memory
   (``torch.cuda.mem_get_info`` on GPUs; ``MemAvailable`` over the ranks of the host on CPUs)
   less a ``reserve`` fraction for activations and the rest of the model; a slot costs its
@@ -117,42 +118,56 @@ def _experts_of(layer, hidden_size, ffn_hidden_size, dtype, device):
     return _StandIn(D, Fd, dtype, device), D, Fd, dtype, device, TIMED_SLOTS, None
 
 
-def _time_experts(experts, D: int, slots: int, dtype, device, tokens: int, warmup: int,
-                  repeats: int) -> list[float]:
-    """Seconds of one forward of ``experts`` on ``tokens`` rows, ``repeats`` times.
+class _ExpertTimer:
+    """Times forwards of ``experts`` on ``tokens`` rows spread over ``slots`` slots.
 
-    On CPUs each repeat times as many forwards as fill ``MIN_REPEAT_S`` (at least one) and
-    reports their mean: the wall clock of a millisecond forward carries a scheduler tick of
-    noise, and a device that is held to a share of a core (or throttled in bursts) only shows
-    its rate over several forwards.
+    On CPUs one repeat times as many forwards as fill ``MIN_REPEAT_S`` (at least one, chosen by
+    :meth:`warm`) and reports their mean: the wall clock of a millisecond forward carries a
+    scheduler tick of noise, and a device held to a share of a core (or throttled in bursts)
+    only shows its rate over several forwards. On GPUs each repeat is one forward between CUDA
+    events, read once at the end (:meth:`events`).
     """
-    split = [tokens // slots + (1 if s < tokens % slots else 0) for s in range(slots)]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    x_MD = torch.randn(tokens, D, generator=gen).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        if device.type == "cuda":
+
+    def __init__(self, experts, D: int, slots: int, dtype, device, tokens: int) -> None:
+        self.experts, self.device = experts, device
+        self.split = [tokens // slots + (1 if s < tokens % slots else 0) for s in range(slots)]
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        self.x_MD = torch.randn(tokens, D, generator=gen).to(device=device, dtype=dtype)
+        self.inner = 1
+
+    def warm(self, warmup: int) -> None:
+        """``warmup`` untimed forwards (on CPUs, they also size a repeat)."""
+        with torch.no_grad():
+            began = time.perf_counter()
             for _ in range(warmup):
-                experts(x_MD, split)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(repeats)]
-            for start, end in events:
-                start.record()
-                experts(x_MD, split)
-                end.record()
-            torch.cuda.synchronize(device)
-            return [start.elapsed_time(end) / 1e3 for start, end in events]
-        began = time.perf_counter()
-        for _ in range(warmup):
-            experts(x_MD, split)
-        one = (time.perf_counter() - began) / warmup if warmup else 0.0
-        inner = max(1, min(MAX_INNER, int(np.ceil(MIN_REPEAT_S / one)))) if one > 0 else 1
-        seconds = []
-        for _ in range(repeats):
+                self.experts(self.x_MD, self.split)
+            one = (time.perf_counter() - began) / warmup if warmup else 0.0
+        if self.device.type != "cuda" and one > 0:
+            self.inner = max(1, min(MAX_INNER, int(np.ceil(MIN_REPEAT_S / one))))
+
+    def repeat(self) -> float:
+        """Seconds of one forward: the mean over one repeat's ``inner`` forwards (wall clock)."""
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             begin = time.perf_counter()
-            for _ in range(inner):
-                experts(x_MD, split)
-            seconds.append((time.perf_counter() - begin) / inner)
-        return seconds
+            for _ in range(self.inner):
+                self.experts(self.x_MD, self.split)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - begin) / self.inner
+
+    def events(self, repeats: int) -> list[float]:
+        """Seconds of each of ``repeats`` forwards, between CUDA events (one sync at the end)."""
+        with torch.no_grad():
+            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(repeats)]
+            for start, end in pairs:
+                start.record()
+                self.experts(self.x_MD, self.split)
+                end.record()
+            torch.cuda.synchronize(self.device)
+        return [start.elapsed_time(end) / 1e3 for start, end in pairs]
 
 
 def _gather(value, group, world: int) -> list:
@@ -246,24 +261,28 @@ def measure_devices(group=None, layer=None, *, hidden_size: int | None = None,
         raise ValueError("ranks disagree on in_turn (CPU and GPU ranks in one group); pass "
                          "in_turn= explicitly on every rank")
     started = time.perf_counter()
+    timer = _ExpertTimer(experts, D, timed_slots, dtype, dev, tokens)
     if settings[0]["in_turn"]:
-        # Two rounds, in rank order and then in reverse, so that no rank is always timed in the
-        # same place (first after the start, next to the store's host): each rank's figure is
-        # the lower quartile over both rounds' repeats.
+        # One repeat per round, the ranks in turn, in rank order and then in reverse: each rank's
+        # repeats spread over the whole measurement, so a slow spell of the host (another job,
+        # a clock change) lands on every rank alike, and no rank is always timed in the same
+        # place (first after the start, next to the store's host). Each rank's figure is the
+        # lower quartile of its repeats.
         seconds = []
-        first = (repeats + 1) // 2
-        for order, count in ((range(world), first),
-                             (range(world - 1, -1, -1), repeats - first)):
-            for turn in order:
+        for r in range(repeats):
+            for turn in (range(world) if r % 2 == 0 else range(world - 1, -1, -1)):
                 if world > 1:
                     dist.barrier(group=group)
-                if turn == rank and count:
-                    seconds += _time_experts(experts, D, timed_slots, dtype, dev, tokens,
-                                             warmup, count)
+                if turn == rank:
+                    if r == 0:
+                        timer.warm(warmup)
+                    seconds.append(timer.repeat())
         if world > 1:
             dist.barrier(group=group)
     else:
-        seconds = _time_experts(experts, D, timed_slots, dtype, dev, tokens, warmup, repeats)
+        timer.warm(warmup)
+        seconds = (timer.events(repeats) if dev.type == "cuda"
+                   else [timer.repeat() for _ in range(repeats)])
     local["seconds"] = seconds
     local["wall_s"] = time.perf_counter() - started
     figures = _gather(local, group, world)
