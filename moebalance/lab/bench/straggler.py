@@ -37,8 +37,10 @@ from ..report import format_markdown, format_text, machine_info, markdown_header
 
 DESCRIPTION = "Measured device speeds, and re-planning away from a straggler (4 gloo ranks)."
 
+# measure_repeats: rounds of Topology.measure (one 20 ms repeat per rank each); 24 spread each
+# rank's repeats over about 3 s, longer than the slow spells of one process on a shared host
 FULL = dict(hidden=128, ffn=1024, tokens=512, experts=8, slots=3, layers=2, steps=60, slow_at=20,
-            every=5, measure_tokens=1024, measure_repeats=8)
+            every=5, measure_tokens=1024, measure_repeats=24)
 QUICK = dict(hidden=64, ffn=512, tokens=256, experts=8, slots=3, layers=2, steps=24, slow_at=8,
              every=4, measure_tokens=512, measure_repeats=5)
 MEASURE_SHARES = (1.0, 1.0, 0.5, 0.5)
