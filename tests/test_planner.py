@@ -57,6 +57,25 @@ def test_max_moves_is_never_exceeded(case, data):
     np.testing.assert_array_equal(previous.share, before[1])
 
 
+def test_replan_never_stays_far_above_a_fresh_plan(rng):
+    # 2 slots on each of 144 devices: the repair's one-replica moves cannot reach the fresh
+    # layout; the re-plan then takes the fresh plan renamed after the placement in service.
+    from moebalance.planner.repair import REPAIR_SHORTFALL
+
+    topo = mb.Topology.from_arrays(np.ones(144), [2] * 144)
+    w0 = rng.lognormal(0.0, 1.0, size=(6, 256)) * 1000
+    previous = mb.plan(w0, topo)
+    w1 = w0 * rng.lognormal(0.0, 0.2, size=w0.shape)
+    fresh, again = mb.plan(w1, topo), mb.plan(w1, topo, previous=previous)
+    assert (mb.imbalance(w1, again, topo)
+            <= mb.imbalance(w1, fresh, topo) * (1 + REPAIR_SHORTFALL) + 1e-9).all()
+    # renamed, not moved wholesale; and a budget still binds
+    assert again.moves_from(previous) < fresh.moves_from(previous)
+    budget = again.moves_from(previous) // 3
+    capped = mb.plan(w1, topo, previous=previous, max_moves=budget)
+    assert capped.moves_from(previous) <= budget
+
+
 def test_zero_move_budget_keeps_every_device_contents(rng):
     topo = mb.Topology.from_arrays([1.0, 2.0, 0.5, 1.0], [3, 2, 4, 3])
     w = _zipf_loads(rng, 4, 8)

@@ -281,12 +281,43 @@ def repair_towards(k, w, topology: Topology, previous, fresh, max_moves, toleran
                          budget, MAX_SWEEPS)
 
 
+# A repaired layer more than this above the fresh plan's hottest time (relative) takes the fresh
+# plan instead: the repair's moves, one replica at a time, could not reach its layout. Below it
+# the repair's few moves win (re-plans after a drift move a few percent of the slots and stay
+# within 1-2% of a fresh plan, RESULTS.md's planner figures).
+REPAIR_SHORTFALL = 0.02
+
+
 def repair(k, w, topology: Topology, previous, fresh, max_moves, move_cost, tolerance: float):
-    """The re-plan of ``plan(previous=...)``: :func:`repair_towards`, then, with ``move_cost``
-    (a MoveCost), every layer whose moves do not pay back keeps ``previous`` (shares
-    re-split). Returns (phy2log, share) [L, S]."""
+    """The re-plan of ``plan(previous=...)``: :func:`repair_towards`; where the repair stays
+    more than ``REPAIR_SHORTFALL`` (or ``tolerance``, if larger) above the ``fresh`` plan's
+    hottest time, the fresh plan renamed after ``previous``
+    (:func:`.relabel.relabel_to`: same balance, the fewest moves a renaming allows), within
+    ``max_moves`` (layers that gain most per extra move first); then, with ``move_cost`` (a
+    MoveCost), every layer whose moves do not pay back keeps ``previous`` (shares re-split).
+    Returns (phy2log, share) [L, S]."""
+    from .relabel import relabel_to
+
     phy2log, share, kept_share, moves = repair_towards(k, w, topology, previous, fresh,
                                                        max_moves, tolerance)
+    repaired_t = max_times(w, phy2log, share, topology)
+    fresh_t = max_times(w, fresh[0], fresh[1], topology)
+    short = np.flatnonzero(repaired_t > fresh_t * (1.0 + max(tolerance, REPAIR_SHORTFALL)))
+    if short.size:
+        fresh_p, fresh_s = relabel_to(k, fresh[0], fresh[1], previous, topology)
+        extra = layer_moves(fresh_p, previous.phy2log, topology, w.shape[1]) - moves
+        if max_moves is not None:
+            # the layers that gain most per extra move first, while the budget lasts
+            gain = (repaired_t - fresh_t) / np.maximum(extra, 1)
+            left = int(max_moves) - int(moves.sum())
+            taken = []
+            for layer in short[np.argsort(-gain[short], kind="stable")]:
+                if extra[layer] <= left:
+                    taken.append(layer)
+                    left -= max(int(extra[layer]), 0)
+            short = np.array(sorted(taken), dtype=np.int64)
+        phy2log[short], share[short] = fresh_p[short], fresh_s[short]
+        moves[short] += extra[short]
     if move_cost is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()
         kept_time = max_times(w, previous.phy2log, kept_share, topology)
