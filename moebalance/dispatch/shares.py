@@ -289,16 +289,14 @@ def step_imbalance(counts_TLE, placement: Placement, topology: Topology, *, resp
     w = as_loads(arr.reshape(T * L, E), "counts_TLE").reshape(T, L, E)
     speed = np.ascontiguousarray(topology.speed, dtype=np.float64)
     kernels = _jit.kernels(backend)
-    worst_TL = np.empty((T, L))
-    for layer in range(L):
-        if resplit:
-            load_TG = kernels.resplit_loads(np.ascontiguousarray(w[:, layer]),
-                                            placement.phy2log[layer], placement.share[layer],
-                                            speed, placement.slot_device, RESPLIT_SWEEPS, True)
-        else:
-            per_slot = w[:, layer, placement.phy2log[layer]] * placement.share[layer]
-            load_TG = np.zeros((T, topology.num_devices))
-            np.add.at(load_TG.T, placement.slot_device, per_slot.T)
-        worst_TL[:, layer] = (load_TG / speed).max(axis=1)
+    if resplit:
+        load_TLG = np.stack([kernels.resplit_loads(np.ascontiguousarray(w[:, layer]),
+                                                   placement.phy2log[layer], placement.share[layer],
+                                                   speed, placement.slot_device, RESPLIT_SWEEPS,
+                                                   True)
+                             for layer in range(L)], axis=1)
+    else:
+        load_TLG = np.stack([placement.device_loads(w[t]) for t in range(T)])
+    worst_TL = (load_TLG / speed).max(axis=2)
     ideal_T = (w.sum(axis=2) / speed.sum()).sum(axis=1)
     return np.where(ideal_T > 0, worst_TL.sum(axis=1) / np.where(ideal_T > 0, ideal_T, 1.0), 1.0)

@@ -13,6 +13,7 @@ from ..topology import Topology
 from ._jit import kernel
 from .core import MAX_SWEEPS, MOVE_TRIALS, devices_of
 from .improve import on_device, replace_in_slot, replicas_of, restore, swap_slots
+from .relabel import relabel_to
 from .shares import balance_shares, device_loads, max_times
 
 # A repair step considers this many receiving devices (those with the most room).
@@ -296,8 +297,6 @@ def repair(k, w, topology: Topology, previous, fresh, max_moves, move_cost, tole
     ``max_moves`` (layers that gain most per extra move first); then, with ``move_cost`` (a
     MoveCost), every layer whose moves do not pay back keeps ``previous`` (shares re-split).
     Returns (phy2log, share) [L, S]."""
-    from .relabel import relabel_to
-
     phy2log, share, kept_share, moves = repair_towards(k, w, topology, previous, fresh,
                                                        max_moves, tolerance)
     repaired_t = max_times(w, phy2log, share, topology)
