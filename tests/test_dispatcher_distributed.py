@@ -505,6 +505,32 @@ def manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step():
     assert_close(moe(x), dense(x), rtol=1e-5, atol=1e-6)
 
 
+def a_backward_stopped_by_an_exception_leaves_the_next_ones_sums_whole():
+    """A backward that raises after the replicas' sums were posted (an exception in the
+    engine: its end-of-backward steps never run) must not cost the next backward its sums."""
+    E, slots, tokens = 8, [3, 3, 3, 3], [5, 6, 7, 4]
+    dense = dense_layer(71, E, 2, torch.float64)
+    moe = ExpertParallelMoE.from_dense(dense, random_placement(72, E, slots))
+    x_all, proj_all = global_batch(73, sum(tokens), torch.float64)
+    lo, hi = token_range(tokens, dist.get_rank())
+    x = x_all[lo:hi].clone().requires_grad_()
+    out = moe(x)
+
+    def stop(grad):
+        raise RuntimeError("stopped on purpose")
+
+    x.register_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        (out * proj_all[lo:hi]).sum().backward()
+    moe.zero_grad(set_to_none=True)
+    (dense(x_all) * proj_all).sum().backward()
+    (moe(x_all[lo:hi]) * proj_all[lo:hi]).sum().backward()
+    local = torch.tensor(moe.local_experts)
+    assert_close(moe.experts.gate_up.grad, dense.experts.gate_up.grad[local])
+    assert_close(moe.experts.down.grad, dense.experts.down.grad[local])
+    assert_close(moe.router.weight.grad, dense.router.weight.grad)
+
+
 CASES = [
     outputs_and_gradients_match_dense_for_top_k_1_to_8,
     outputs_and_gradients_match_dense_with_node_preference,
@@ -522,6 +548,7 @@ CASES = [
     a_malformed_input_on_one_rank_raises_on_every_rank,
     a_new_placement_object_every_step_is_routed_by_its_own_shares,
     manual_gradient_sync_without_replicated_experts_is_a_no_op_in_step,
+    a_backward_stopped_by_an_exception_leaves_the_next_ones_sums_whole,
 ]
 
 

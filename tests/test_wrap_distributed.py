@@ -44,13 +44,30 @@ def moe_block_count(model) -> int:
                if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj"))
 
 
-def check_family(family: str):
+def count_copies(model) -> list:
+    """A list that each MoE layer's dispatch appends its step's transient copies to."""
+    copies = []
+    for layer in moe_layers(model):
+        dispatch = layer.dispatcher.dispatch
+
+        def recording(*args, dispatch=dispatch, **kwargs):
+            recv, handle = dispatch(*args, **kwargs)
+            copies.append(0 if handle.transient is None else handle.transient.num_copies)
+            return recv, handle
+
+        layer.dispatcher.dispatch = recording
+    return copies
+
+
+def check_family(family: str, transient: int = 0):
     layers = 3 if family == "deepseek_v3" else 2
     reference = tiny_moe_model(family, num_layers=layers)
     wrapped = copy.deepcopy(reference)
     placement = random_placement(17, 8, SLOTS, num_layers=moe_block_count(reference))
-    mb.wrap(wrapped, TOPOLOGY, placement=placement)
+    # transient_cost 0: every copy that shortens the slowest rank is made
+    mb.wrap(wrapped, TOPOLOGY, placement=placement, transient=transient, transient_cost=0.0)
     assert len(moe_layers(wrapped)) == placement.num_layers
+    copies = count_copies(wrapped)
 
     # Logits and gradients of one step.
     ids = global_ids(0)
@@ -90,6 +107,8 @@ def check_family(family: str):
         dist.all_reduce(mean)
         assert float(mean) / WORLD == pytest.approx(float(ref_loss), rel=1e-5), (family, step)
     assert mb.current_placement(wrapped).moves_from(placement) > 0
+    if transient:
+        assert sum(copies) > 0, "no step lent an expert's weights"
 
     # unwrap: a plain model in transformers' layout with the same logits.
     plain = mb.unwrap(wrapped)
@@ -103,10 +122,11 @@ def check_family(family: str):
     assert set(plain.state_dict()) == set(reference.state_dict())
 
 
-def _case(family):
+def _case(family, transient=0):
     def case():
-        check_family(family)
-    case.__name__ = f"wrapped_{family}_equals_single_process"
+        check_family(family, transient)
+    case.__name__ = (f"wrapped_{family}_lending_weights_equals_single_process" if transient
+                     else f"wrapped_{family}_equals_single_process")
     case.__qualname__ = case.__name__
     globals()[case.__name__] = case
     return case
@@ -158,6 +178,7 @@ def wrap_rejects_bad_input():
 CASES = []
 if importlib.util.find_spec("transformers") is not None:
     CASES = [_case(f) for f in FAMILIES] + [
+        _case(f, transient=1) for f in ("mixtral", "gpt_oss")] + [
         save_pretrained_writes_a_checkpoint_from_pretrained_loads, wrap_rejects_bad_input]
 
 

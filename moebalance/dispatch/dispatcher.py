@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._check import index
+from .._check import index, integer
 from ..collective_errors import Attempt, GroupValueError, agree, raise_failures
 from ..placement import Placement
 from .autograd import CombineRows, DispatchRows
@@ -67,6 +67,7 @@ from .exchange import EXCHANGES, AllToAll, LocalRows, PointToPoint, RowExchange,
 from .kernels import kernels_for
 from .routing import ReplicaTable, replica_flows, replica_table
 from .shares import ResplitPlan, resplit_plan, resplit_shares
+from .transient import TransientRouting, TransientStep, default_transient_cost
 
 __all__ = ["Dispatcher", "DispatchHandle", "EXCHANGES", "release_buffers"]
 
@@ -96,6 +97,9 @@ class DispatchHandle:
         counts_GE: [G, E] int64 (rows' device), pairs of every (rank, expert) of this dispatch.
         share_EX: [E, X] float64 (rows' device), the shares the pairs were routed by.
         placement, layer, rank: what the rows were routed by.
+        transient: the step's transient copies (:class:`~.transient.TransientStep`), None
+            when it made none; with copies, ``tokens_per_local_slot`` ends with this rank's K
+            transient slots.
     """
 
     tokens_per_local_slot: list
@@ -109,6 +113,7 @@ class DispatchHandle:
     placement: Placement
     layer: int
     rank: int
+    transient: TransientStep | None = None
 
     @property
     def num_recv_rows(self) -> int:
@@ -161,6 +166,7 @@ class _LayerState:
         self.local_e = torch.from_numpy(e[order]).to(device)
         self.local_j = torch.from_numpy(j[order]).to(device)
         self.plan = plan
+        self.transient: TransientRouting | None = None
 
 
 class _PlacementState:
@@ -213,13 +219,22 @@ class Dispatcher:
             re-split; None: equal speeds.
         debug: also check, with host syncs, that ``x`` and ``topk_weights`` are finite before
             any communication (the check of expert ids always runs, through the counts exchange).
+        transient: transient slots per rank (:mod:`.transient`): each step, a hot expert's
+            weights may be copied for that step to a cold rank, which then serves part of its
+            pairs; 0 (default): none. Needs ``resplit``. The copies are chosen on the host from
+            the exchanged counts: on GPUs that is one more host sync per dispatch. The caller
+            runs the copies' rows (:mod:`moebalance.nn.transient` moves weights and gradients).
+        transient_cost: the price of one copy in pairs of expert work at speed 1 (a copy is made
+            only where it saves more); None: :func:`~.transient.default_transient_cost` for the
+            rows' dtype and device.
 
     Per-placement tables are built on first use and cached by placement identity; a new
     :class:`~moebalance.Placement` object gets new tables (the last few are kept).
     """
 
     def __init__(self, group=None, *, exchange: str = "auto", nodes=None, resplit: bool = True,
-                 speeds=None, debug: bool = False) -> None:
+                 speeds=None, debug: bool = False, transient: int = 0,
+                 transient_cost: float | None = None) -> None:
         if not isinstance(exchange, str) or exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}; "
                              f"\"auto\" picks \"p2p\" on gloo and \"all_to_all\" on other backends")
@@ -251,6 +266,16 @@ class Dispatcher:
         self.resplit = resplit
         self.speeds = self._checked_speeds(speeds)
         self.debug = bool(debug)
+        self.transient = integer(transient, "transient", minimum=0)
+        if self.transient and not resplit:
+            raise ValueError("transient slots need the per-step re-split: pass resplit=True, or "
+                             "transient=0")
+        if transient_cost is not None:
+            transient_cost = float(transient_cost)
+            if not np.isfinite(transient_cost) or transient_cost < 0:
+                raise ValueError(f"transient_cost must be a finite number of pairs >= 0, got "
+                                 f"{transient_cost}; or None for the default estimate")
+        self.transient_cost = transient_cost
         self._states: OrderedDict[int, _PlacementState] = OrderedDict()
         self._on_node: dict = {}
 
@@ -434,16 +459,28 @@ class Dispatcher:
         flags[_DTYPE] = _dtype_code(x_TD.dtype)
         rows_GC = self._gather_rows(torch.cat([counts_E, flags]))
         counts_GE = rows_GC[:, :E]
-        if layer_state.plan is not None and layer_state.plan.order_V.numel() > 0:
+        slots_EX, device_EX, slot_offsets = table.slots_EX, table.device_EX, state.slot_offsets
+        step = None
+        if self.transient and G > 1:
+            routing = self._transient_routing(state, layer_state, x_TD)
+            # Chosen on the host from every rank's counts: the one extra host sync of a
+            # dispatch with transient slots (none on the CPU).
+            step, *extended = routing.choose(counts_GE.cpu().numpy())
+            slots_EX, device_EX, share_EX = (torch.from_numpy(a).to(device) for a in extended)
+            if step is not None:
+                slot_offsets, S = routing.slot_offsets, routing.num_global_slots
+        elif layer_state.plan is not None and layer_state.plan.order_V.numel() > 0:
             share_EX = resplit_shares(counts_GE.sum(dim=0), table.share_EX, layer_state.plan)
         else:
             share_EX = table.share_EX
-        flow_GEX = replica_flows(counts_GE, share_EX, table.device_EX, self._node_masks(device))
+        flow_GEX = replica_flows(counts_GE, share_EX, device_EX, self._node_masks(device))
         bounds_EX = torch.cumsum(flow_GEX[self.rank], dim=1)
         rank_TK = place_TK - (torch.cumsum(counts_E, 0) - counts_E)[ids_TK]
-        slot_TK = kernels.route(ids_TK, rank_TK, table.slots_EX, bounds_EX)
+        slot_TK = kernels.route(ids_TK, rank_TK, slots_EX, bounds_EX)
         order_N, pos_TK, counts_S = kernels.sort_by_slot(slot_TK, S)
         recv_GL = flow_GEX[:, layer_state.local_e, layer_state.local_j]
+        if step is not None:
+            recv_GL = torch.cat([recv_GL, self._transient_rows(step, flow_GEX)], dim=1)
         # The one host sync of the per-step path.
         host = np.asarray(torch.cat([counts_S, recv_GL.reshape(-1), rows_GC[:, E:].reshape(-1)])
                           .tolist(), dtype=np.int64)
@@ -454,19 +491,44 @@ class Dispatcher:
         if G == 1:
             rows = LocalRows(order_N.shape[0], order_N.shape[0])
         elif self.exchange_for(device.type) == "p2p":
-            rows = PointToPoint.build(self.group, self.rank, state.slot_offsets, counts_S_host,
+            rows = PointToPoint.build(self.group, self.rank, slot_offsets, counts_S_host,
                                       recv_GL_host)
         else:
-            rows = AllToAll.build(self.group, state.slot_offsets, counts_S_host, recv_GL_host,
-                                  recv_GL)
+            rows = AllToAll.build(self.group, slot_offsets, counts_S_host, recv_GL_host, recv_GL)
         token_N = order_N // ids_TK.shape[1]
         recv_x_MD = DispatchRows.apply(x_TD.contiguous(), token_N, pos_TK, rows, kernels)
         handle = DispatchHandle(
             tokens_per_local_slot=recv_GL_host.sum(axis=0).tolist(), order_N=order_N,
             pos_TK=pos_TK, topk_weights_TK=topk_weights_TK.contiguous(), exchange=rows,
             kernels=kernels, counts_GE=counts_GE, share_EX=share_EX, placement=placement,
-            layer=int(layer), rank=self.rank)
+            layer=int(layer), rank=self.rank, transient=step)
         return recv_x_MD, handle
+
+    def _transient_routing(self, state: _PlacementState, layer_state: _LayerState,
+                           x_TD: torch.Tensor) -> TransientRouting:
+        routing = layer_state.transient
+        if routing is None:
+            table = layer_state.table
+            G = self.world_size
+            cost = self.transient_cost
+            if cost is None:
+                cost = default_transient_cost(x_TD.dtype, x_TD.device.type)
+            routing = TransientRouting(
+                *(t.cpu().numpy() for t in (table.slots_EX, table.device_EX, table.share_EX)),
+                state.slot_offsets, self.transient, state.speeds,
+                self.nodes if self.nodes is not None else (0,) * G, cost)
+            layer_state.transient = routing
+        return routing
+
+    def _transient_rows(self, step: TransientStep, flow_GEX: torch.Tensor) -> torch.Tensor:
+        """[G, K] rows every rank sends to each of this rank's transient slots."""
+        G = flow_GEX.shape[0]
+        rows_GK = flow_GEX.new_zeros((G, step.num_slots))
+        for (expert, _, target), k, column in zip(step.copies_C3.tolist(), step.slot_C.tolist(),
+                                                  step.column_C.tolist()):
+            if target == self.rank:
+                rows_GK[:, k] = flow_GEX[:, expert, column]
+        return rows_GK
 
     def abort(self, error: BaseException, placement: Placement, layer: int, *,
               device: torch.device | str | None = None):

@@ -56,7 +56,8 @@ _FIX = ("load it with transformers' from_pretrained and pass the model to mb.wra
 def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Placement | None = None,
                     group=None, *, model_class=None, dtype: torch.dtype | None = None,
                     exchange: str = "auto", nodes=None, grad_scale: str = "mean",
-                    resplit: bool = True, track: bool = True) -> nn.Module:
+                    resplit: bool = True, track: bool = True, transient: int = 0,
+                    transient_cost: float | None = None) -> nn.Module:
     """Load a transformers 5.x MoE checkpoint expert-parallel: this rank reads only its experts.
 
     Call on every rank of ``group`` with the same arguments, before creating the optimizer.
@@ -70,7 +71,8 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
         group: the process group (None: the default group).
         model_class: the transformers class to build (default ``AutoModelForCausalLM``).
         dtype: parameter dtype (default: the config's ``dtype``, else float32).
-        exchange, nodes, grad_scale, resplit, track: as for :func:`moebalance.wrap`.
+        exchange, nodes, grad_scale, resplit, track, transient, transient_cost: as for
+            :func:`moebalance.wrap`.
 
     Returns:
         The model, in eval mode like transformers' ``from_pretrained``: every non-expert weight
@@ -91,7 +93,8 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
     model, blocks, placement, _, rows = loaded
     return _install(model, blocks, placement, topology, group, exchange=exchange, nodes=nodes,
                     grad_scale=grad_scale, resplit=resplit, track=track,
-                    rows=lambda layer: rows.pop(layer))
+                    rows=lambda layer: rows.pop(layer), transient=transient,
+                    transient_cost=transient_cost)
 
 
 def _group_size(group) -> tuple[int, int]:

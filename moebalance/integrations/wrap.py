@@ -49,6 +49,7 @@ from ..dispatch.dispatcher import Dispatcher
 from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
 from ..nn.grad_sync import GradientSync
 from ..nn.slots import ExpertSlots, current_placement, moe_layers
+from ..nn.transient import check_transient, transient_weights
 from ..placement import Placement
 from ..topology import Topology
 from .routers import attach, moe_blocks
@@ -70,7 +71,8 @@ class HFExpertSlots(ExpertSlots):
 
     def __init__(self, original: nn.Module, router: nn.Module, placement: Placement, layer: int,
                  group=None, *, exchange: str = "auto", nodes=None, grad_scale: float = 1.0,
-                 resplit: bool = True, speeds=None, rows: dict | None = None) -> None:
+                 resplit: bool = True, speeds=None, rows: dict | None = None,
+                 transient: int = 0, transient_cost: float | None = None) -> None:
         super().__init__()
         names = [n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
                  if isinstance(getattr(original, n, None), torch.Tensor)]
@@ -81,7 +83,10 @@ class HFExpertSlots(ExpertSlots):
         self._check_placement(placement, layer, num_experts)
         self.num_experts = num_experts
         self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
-                                     speeds=speeds)
+                                     speeds=speeds, transient=transient,
+                                     transient_cost=transient_cost)
+        check_transient(self.dispatcher.transient, self.dispatcher.world_size, "backward",
+                        len(names))
         local = self.dispatcher.local_slots(placement, layer)
         experts = torch.from_numpy(placement.phy2log[layer, local.start:local.stop].copy())
         self._names = names
@@ -113,13 +118,15 @@ class HFExpertSlots(ExpertSlots):
     def router_module(self) -> nn.Module:
         return self.__dict__["_router"]
 
-    def _expert(self, slot: int, x_MH: torch.Tensor) -> torch.Tensor:
-        """The original module's arithmetic for the expert in local ``slot``."""
+    def _expert(self, slot: int, x_MH: torch.Tensor, rows: dict | None = None) -> torch.Tensor:
+        """The original module's arithmetic for the expert in local ``slot`` (of ``rows``,
+        ``name -> [n, ...]``, when given: the step's lent transient rows)."""
+        p = rows if rows is not None else {name: getattr(self, name) for name in self._names}
         if self.transposed:
-            gate_up = x_MH @ self.gate_up_proj[slot] + self.gate_up_proj_bias[slot]
-            return self._apply_gate(gate_up) @ self.down_proj[slot] + self.down_proj_bias[slot]
-        gate, up = nn.functional.linear(x_MH, self.gate_up_proj[slot]).chunk(2, dim=-1)
-        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[slot])
+            gate_up = x_MH @ p["gate_up_proj"][slot] + p["gate_up_proj_bias"][slot]
+            return self._apply_gate(gate_up) @ p["down_proj"][slot] + p["down_proj_bias"][slot]
+        gate, up = nn.functional.linear(x_MH, p["gate_up_proj"][slot]).chunk(2, dim=-1)
+        return nn.functional.linear(self.act_fn(gate) * up, p["down_proj"][slot])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -132,7 +139,12 @@ class HFExpertSlots(ExpertSlots):
             recv_MH = timer.begin(recv_MH)
         # Every slot runs, on zero rows too, so every rank joins the backward exchanges.
         chunks = torch.split(recv_MH, list(handle.tokens_per_local_slot))
-        y_MH = torch.cat([self._expert(s, rows) for s, rows in enumerate(chunks)])
+        own = self.gate_up_proj.shape[0]
+        ys = [self._expert(s, rows) for s, rows in enumerate(chunks[:own])]
+        if handle.transient is not None:      # this step's transient slots, lent weights
+            lent = dict(zip(self._names, transient_weights(self, handle.transient)))
+            ys += [self._expert(k, rows, lent) for k, rows in enumerate(chunks[own:])]
+        y_MH = torch.cat(ys)
         if timer is not None:
             y_MH = timer.end(y_MH)
         return self.dispatcher.combine(y_MH, handle).reshape(hidden_states.shape)
@@ -140,7 +152,8 @@ class HFExpertSlots(ExpertSlots):
 
 def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement | None = None, *,
          exchange: str = "auto", nodes=None, grad_scale: str = "mean", resplit: bool = True,
-         track: bool = True) -> nn.Module:
+         track: bool = True, transient: int = 0, transient_cost: float | None = None
+         ) -> nn.Module:
     """Make a transformers 5.x MoE model expert-parallel over ``group``, in place.
 
     Call on every rank of the group, before creating the optimizer. Every rank gets rank 0's
@@ -158,6 +171,8 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
             transformers' mean loss over equal token counts per rank equals one process on the
             global batch; "sum": of their sum.
         track: attach a :class:`~moebalance.LoadTracker` (``model.moebalance_tracker``).
+        transient, transient_cost: transient slots per rank, where a hot expert's weights are
+            lent for one step (see :class:`~moebalance.nn.moe.ExpertParallelMoE`); 0: none.
 
     Returns:
         ``model``, its experts replaced by :class:`HFExpertSlots` (this rank's slots only).
@@ -166,7 +181,8 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
         raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
     blocks, placement = _check_wrap(model, topology, group, placement)
     return _install(model, blocks, placement, topology, group, exchange=exchange, nodes=nodes,
-                    grad_scale=grad_scale, resplit=resplit, track=track)
+                    grad_scale=grad_scale, resplit=resplit, track=track, transient=transient,
+                    transient_cost=transient_cost)
 
 
 def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placement | None
@@ -215,7 +231,7 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
 
 def _install(model: nn.Module, blocks: list, placement: Placement, topology: Topology, group, *,
              exchange: str, nodes, grad_scale: str, resplit: bool, track: bool,
-             rows=None) -> nn.Module:
+             rows=None, transient: int = 0, transient_cost: float | None = None) -> nn.Module:
     """Swap each block's ``experts`` for :class:`HFExpertSlots` and set up the dense gradient sync.
 
     Args:
@@ -235,7 +251,8 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
         block.experts = HFExpertSlots(original, router, placement, layer, group, exchange=exchange,
                                       nodes=nodes, grad_scale=scale, resplit=resplit,
                                       speeds=topology.speed if resplit else None,
-                                      rows=None if rows is None else rows(layer))
+                                      rows=None if rows is None else rows(layer),
+                                      transient=transient, transient_cost=transient_cost)
         del original
     if world > 1:
         slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}

@@ -1,7 +1,7 @@
 """What travels between ranks and how ranks agree: every point-to-point tag space of the
 package, the migration's own transfer groups, and the one ranks-agree check.
 
-Tag spaces. Point-to-point messages of one process group match by (peer, tag); three
+Tag spaces. Point-to-point messages of one process group match by (peer, tag); four
 subsystems send them, each in its own half-open range of tags, so that no message of one can
 ever match a receive of another (:data:`TAG_SPACES`, checked disjoint by the tests):
 
@@ -9,6 +9,8 @@ ever match a receive of another (:data:`TAG_SPACES`, checked disjoint by the tes
 * ``grad_sync``: replica gradients, ``2**24 + (layer tag * 16 + kind) * 2 + phase``;
 * ``migration``: expert rows, ``2**26 + (migration % 1024) * 1024 * 64 + layer * 64 + kind``,
   unique per migration so that a message of an abandoned migration never matches a later one.
+* ``transient``: transient copies' weights and gradients,
+  ``2**27 + ((layer % 1024 * 2 + phase) * 4096 + copy) * 16 + kind``.
 
 Agreement. :func:`same_everywhere` is the one check that every rank holds the same thing (a
 placement, a migration plan): one all-reduce of two integers. The migration and the Rebalancer use
@@ -33,6 +35,10 @@ MIGRATION_TAG_BASE = 1 << 26
 MIGRATION_TAG_LAYERS = 1024
 MIGRATION_TAG_KINDS = 64
 MIGRATION_NUMBERS = 1024
+TRANSIENT_TAG_BASE = 1 << 27
+TRANSIENT_TAG_LAYERS = 1024
+TRANSIENT_TAG_COPIES = 4096      # transient copies of one layer's step (ranks x slots)
+TRANSIENT_TAG_KINDS = 16
 
 # name -> [first, end) of its tags
 TAG_SPACES = {
@@ -41,6 +47,9 @@ TAG_SPACES = {
     "migration": (MIGRATION_TAG_BASE,
                   MIGRATION_TAG_BASE
                   + MIGRATION_NUMBERS * MIGRATION_TAG_LAYERS * MIGRATION_TAG_KINDS),
+    "transient": (TRANSIENT_TAG_BASE,
+                  TRANSIENT_TAG_BASE
+                  + TRANSIENT_TAG_LAYERS * 2 * TRANSIENT_TAG_COPIES * TRANSIENT_TAG_KINDS),
 }
 
 

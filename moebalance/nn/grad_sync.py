@@ -247,6 +247,7 @@ class GradientSync:
         self.enabled = True
         self.group_enabled = True
         self._pending: list[Callable[[], None]] = []
+        self._late: list[Callable[[], None]] = []     # after every sum (add_late)
         self._queued = None      # the backward (graph task id) whose finishing step is queued
         self._handles = []
         for kind, param in enumerate(slot_params):
@@ -267,6 +268,7 @@ class GradientSync:
                 # A backward that stopped before its end (an exception in the engine) left steps
                 # of its own: they must not add into this one's gradients.
                 self._pending = []
+                self._late = []
                 self._ready = [{} for _ in self._buckets]
                 self._launched = 0
             self._queued = task
@@ -278,11 +280,18 @@ class GradientSync:
             with failures.run():
                 self._launch_ready(everything=True)
             self._launched = 0
-        pending, self._pending, self._queued = self._pending, [], None
+        pending, self._pending, self._queued = self._pending + self._late, [], None
+        self._late = []
         for step in pending:
             with failures.run():
                 step()
         close_backward(self.group)
+
+    def add_late(self, step: Callable[[], None]) -> None:
+        """Run ``step`` when this backward ends, after every sum of the replicas' gradients
+        (the transient copies' gradients are added there, in one order on every holder)."""
+        self._queue_finish()
+        self._late.append(step)
 
     # The hooks hold the sync and their tensor by weak reference: a tensor whose hook refers back
     # to it (or to a module owning it) makes a cycle that only the garbage collector frees, so the
@@ -298,6 +307,8 @@ class GradientSync:
             scaled = grad if self.scale == 1.0 else grad * self.scale
             if exchange.num_held == 0:
                 return None if self.scale == 1.0 else scaled
+            # First: a backward that stopped early leaves steps that this call clears.
+            self._queue_finish()
             failures = backward_attempt(self.group)
             try:
                 posted = exchange.post(grad, kind, self.group)
@@ -316,7 +327,6 @@ class GradientSync:
                 param.grad.index_add_(0, rows, total.to(param.grad.dtype))
 
             self._pending.append(add_sum)
-            self._queue_finish()
             return scaled.index_fill(0, rows, 0)
 
         return reduce_replicas
@@ -329,10 +339,10 @@ class GradientSync:
             self, param = sync_ref(), param_ref()
             if self is None or param is None or not (self.enabled and self.group_enabled):
                 return None
+            self._queue_finish()
             self._ready[bucket][id(param)] = grad.detach()
             if len(self._ready[bucket]) == len(self._buckets[bucket]):
                 self._launch_ready()
-            self._queue_finish()
             return torch.zeros_like(grad)
 
         return sum_over_group

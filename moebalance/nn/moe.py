@@ -40,6 +40,7 @@ from .slots import (
     moe_layers,
     reduce_replica_gradients,
 )
+from .transient import check_transient, transient_weights
 
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
@@ -151,13 +152,16 @@ class SlotExperts(nn.Module):
     # The grouped GEMM path runs where torch has it for the rows' dtype; False forces the loop.
     use_grouped_mm = True
 
-    def forward(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
+    def forward(self, x_MD: torch.Tensor, tokens_per_slot, lent=None) -> torch.Tensor:
         """Apply slot i to its contiguous rows.
 
         Args:
             x_MD: [M, D], rows grouped by slot.
             tokens_per_slot: [slots] ints summing to M, rows of each slot (host ints, or an
                 integer tensor on x's device).
+            lent: this step's transient slots (:mod:`moebalance.nn.transient`), a pair
+                ``(gate_up [K, 2F, D], down [K, D, F])`` whose rows follow the slots' own:
+                ``tokens_per_slot`` then holds ``slots + K`` host ints.
 
         Returns:
             y_MD: [M, D].
@@ -166,6 +170,13 @@ class SlotExperts(nn.Module):
         slots (:func:`grouped_swiglu`) where it runs, else the loop over slots
         (:func:`looped_swiglu`, the reference the tests compare against).
         """
+        if lent is not None:
+            own = sum(tokens_per_slot[:self.num_slots])
+            return torch.cat([self._own_slots(x_MD[:own], tokens_per_slot[:self.num_slots]),
+                              looped_swiglu(x_MD[own:], *lent, tokens_per_slot[self.num_slots:])])
+        return self._own_slots(x_MD, tokens_per_slot)
+
+    def _own_slots(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
         if self.use_grouped_mm and grouped_mm_runs(x_MD, self.ffn_dim):
             return grouped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
         if isinstance(tokens_per_slot, torch.Tensor):
@@ -309,6 +320,12 @@ class ExpertParallelMoE(ExpertSlots):
         grad_sync: "backward" (default): replica and router gradients are reduced during
             backward and are final when ``backward()`` returns (before gradient clipping);
             "manual": call :func:`reduce_replica_gradients` after backward.
+        transient, transient_cost: transient slots per rank: each step, a hot expert's weights
+            may be lent for that step to a cold rank, which serves part of its tokens (the
+            gradient returns to the expert's holders when backward ends; the math and the
+            optimizer state are unchanged; needs ``grad_sync="backward"``). 0 (default): none.
+            ``transient_cost``: a copy's price in routed pairs of expert work at speed 1 (None:
+            a rough estimate); see :mod:`moebalance.nn.transient`.
         sync_router: sum the router's gradient over the group (it is replicated on every rank).
             False when something else reduces it. Under a DDP that wraps the layer or a model
             holding it, DDP averages the router and the expert gradients are averaged too
@@ -334,7 +351,8 @@ class ExpertParallelMoE(ExpertSlots):
                  placement: Placement, layer: int = 0, group=None, router: nn.Module | None = None,
                  *, norm_topk_prob: bool = True, seed: int | None = None,
                  exchange: str = "auto", nodes=None, grad_sync: str = "backward",
-                 sync_router: bool = True, resplit: bool = True, speeds=None) -> None:
+                 sync_router: bool = True, resplit: bool = True, speeds=None,
+                 transient: int = 0, transient_cost: float | None = None) -> None:
         super().__init__()
         self.hidden_dim = positive_int(hidden_size, "hidden_size")
         self.ffn_dim = positive_int(ffn_hidden_size, "ffn_hidden_size")
@@ -342,7 +360,9 @@ class ExpertParallelMoE(ExpertSlots):
         self.top_k = positive_int(top_k, "top_k")
         self._check_placement(placement, layer, self.num_experts)
         self.dispatcher = Dispatcher(group, exchange=exchange, nodes=nodes, resplit=resplit,
-                                     speeds=speeds)
+                                     speeds=speeds, transient=transient,
+                                     transient_cost=transient_cost)
+        check_transient(self.dispatcher.transient, self.dispatcher.world_size, grad_sync, 2)
         if router is None:
             router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         elif not isinstance(router, nn.Module):
@@ -430,7 +450,9 @@ class ExpertParallelMoE(ExpertSlots):
         with experts.run():
             if timer is not None:
                 recv_MD = timer.begin(recv_MD)
-            y_MD = self.experts(recv_MD, handle.tokens_per_local_slot)
+            lent = None if handle.transient is None else \
+                transient_weights(self, handle.transient)
+            y_MD = self.experts(recv_MD, handle.tokens_per_local_slot, lent)
             if timer is not None:
                 y_MD = timer.end(y_MD)
         out_TD = self.dispatcher.combine(y_MD, handle, attempt=experts)

@@ -276,6 +276,7 @@ def calibration_cluster(figures: dict, cfg: dict) -> dict:
              "top_k": cfg["top_k"], "hidden": cfg["hidden"], "ffn": cfg["ffn"],
              "tokens_per_device": cfg["tokens"], "activation_bytes": ACTIVATION_BYTES,
              "resident_bytes_per_param": RESIDENT_BYTES, "moved_bytes_per_param": MOVED_BYTES,
+             "weight_bytes_per_param": ACTIVATION_BYTES,
              "non_moe_flops_per_token": figures["non_moe_flops_per_token"],
              "source": "the stack of ExpertParallelMoE layers moebalance bench simcheck trains "
                        "(fp32, AdamW)"}
@@ -323,7 +324,8 @@ class _Trainer:
     """One policy's model, optimizer and data on this rank."""
 
     def __init__(self, rank: int, world: int, cfg: dict, counts_TLE: np.ndarray, placement,
-                 resplit: bool, share: CoreShare | None) -> None:
+                 resplit: bool, share: CoreShare | None, transient: int = 0,
+                 transient_cost: float | None = None) -> None:
         from ...nn.moe import ExpertParallelMoE
 
         L = counts_TLE.shape[1]
@@ -335,7 +337,8 @@ class _Trainer:
             moe = ExpertParallelMoE(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"],
                                     placement, layer=layer, router=router,
                                     seed=cfg["seed"] * 131 + layer, exchange="all_to_all",
-                                    resplit=resplit, speeds=[1.0] * world if resplit else None)
+                                    resplit=resplit, speeds=[1.0] * world if resplit else None,
+                                    transient=transient, transient_cost=transient_cost)
             if share is not None:
                 share.attach(moe.experts)
             moe.experts.register_forward_pre_hook(
@@ -456,7 +459,8 @@ def _schedules(cluster, model, counts_TLE: np.ndarray, cfg: dict) -> list[dict]:
             if new is not None:
                 changes[t] = current = new
         out.append({"name": policy.name, "start": start, "changes": changes,
-                    "resplit": policy.resplit, "migration": policy.migration})
+                    "resplit": policy.resplit, "migration": policy.migration,
+                    "transient": policy.transient})
     return out
 
 
@@ -465,7 +469,15 @@ def _policies(cluster, model, cfg: dict) -> list:
     as ``moebalance simulate`` builds them)."""
     from ..sim.policies import default_policies
 
-    return default_policies(cfg["every"], None, None)
+    return default_policies(cfg["every"], None, None, transient=cfg["transient"],
+                            guides=("current",))
+
+
+def transient_cost(cluster, model) -> float:
+    """The price of one transient copy in pairs of expert work, as the step model prices it:
+    the weights there and the gradient back over the link, against one pair's GEMMs."""
+    kind = cluster.catalogue[cluster.kinds[0]]
+    return (2.0 * model.copy_bytes / kind.intra_bandwidth) / (model.flops_per_pair / kind.flops)
 
 
 def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_path: str) -> None:
@@ -495,8 +507,8 @@ def _worker(rank: int, world: int, cfg: dict, calibration: dict | None, result_p
     dist.broadcast_object_list(box, group_src=0)
     schedules = box[0]
     topology = cluster.topology(model)
-    trainers = [_Trainer(rank, world, cfg, counts, s["start"], s["resplit"], share)
-                for s in schedules]
+    trainers = [_Trainer(rank, world, cfg, counts, s["start"], s["resplit"], share,
+                         s["transient"], transient_cost(cluster, model)) for s in schedules]
     Migrator(None).transfer_group()      # the migration connections, made once per job
     W, T, every = cfg["warmup"], counts.shape[0], cfg["every"]
     for trainer in trainers:
@@ -575,6 +587,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=positive_int_arg, default=None,
                         help=f"steps between re-plans (default {FULL['every']}, quick "
                              f"{QUICK['every']})")
+    parser.add_argument("--transient", type=int, default=0, metavar="K",
+                        help="also train the moebalance + re-split policy with K transient slots "
+                             "per rank (copies chosen on each step's counts; default 0: not)")
     parser.add_argument("--free-sharing", action="store_true",
                         help="let a rank that computes alone take a whole core (the plain run; "
                              "the step model's devices are then not independent)")
@@ -592,7 +607,10 @@ def _config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     counts = trace_loads(TRACE)[0]
     _, L, E = counts.shape
     cfg.update(layers=L, experts=E, top_k=2, seed=args.seed, pace=not args.free_sharing,
-               measure=not args.calibrate, ranks=4)
+               measure=not args.calibrate, ranks=4, transient=args.transient)
+    if args.transient < 0:
+        raise UsageError(f"--transient must be >= 0 transient slots per rank, got "
+                         f"{args.transient}")
     calibration = None
     if args.calibration is not None:
         if args.calibrate:
