@@ -245,8 +245,8 @@ def test_no_copy_where_none_pays_keeps_the_placements_numbering():
     counts_GE = np.full((WORLD, E), 3, dtype=np.int64)
     counts_GE[:, HOT] = 40
     step, slots_EX, _, share_EX = _routing(1e9).choose(counts_GE)
-    assert step is None
+    assert step is None and slots_EX is None
     from moebalance.dispatch.routing import replica_table
     table = replica_table(placement(), 0)
-    assert np.array_equal(slots_EX, table.slots_EX.numpy()[:, :slots_EX.shape[1]])
+    assert share_EX.shape == tuple(table.share_EX.shape)
     np.testing.assert_allclose(share_EX.sum(axis=1), 1.0)

@@ -465,9 +465,10 @@ class Dispatcher:
             routing = self._transient_routing(state, layer_state, x_TD)
             # Chosen on the host from every rank's counts: the one extra host sync of a
             # dispatch with transient slots (none on the CPU).
-            step, *extended = routing.choose(counts_GE.cpu().numpy())
-            slots_EX, device_EX, share_EX = (torch.from_numpy(a).to(device) for a in extended)
+            step, slots, devices, shares = routing.choose(counts_GE.cpu().numpy())
+            share_EX = torch.from_numpy(shares).to(device)
             if step is not None:
+                slots_EX, device_EX = (torch.from_numpy(a).to(device) for a in (slots, devices))
                 slot_offsets, S = routing.slot_offsets, routing.num_global_slots
         elif layer_state.plan is not None and layer_state.plan.order_V.numel() > 0:
             share_EX = resplit_shares(counts_GE.sum(dim=0), table.share_EX, layer_state.plan)

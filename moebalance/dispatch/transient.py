@@ -409,7 +409,9 @@ class TransientRouting:
 
         Returns:
             step: the :class:`TransientStep` (None when no copy pays).
-            slots_EX, device_EX, share_EX: the extended table (host arrays, the used columns).
+            slots_EX, device_EX, share_EX: the extended table (host arrays, the used columns);
+            with no copy, slots_EX and device_EX are None (the placement's table stands) and
+            share_EX has the table's width.
         """
         w_E = counts_GE.sum(axis=0).astype(np.float64)
         device_EX = self.device_EX.copy()
@@ -417,11 +419,9 @@ class TransientRouting:
         load_G = np.empty(self.devices_G5.shape[0], dtype=np.float64)
         copies = _kernels().transient_choose(w_E, device_EX, self.start_EX, self.devices_G5, 1.0,
                                              self.copy_bytes, share_EX, load_G)
+        if copies.shape[0] == 0:          # the placement's own table: only the shares change
+            return None, None, None, np.ascontiguousarray(share_EX[:, :self.slots_EX.shape[1]])
         width = int((device_EX >= 0).sum(axis=1).max())
-        if copies.shape[0] == 0:          # the placement's own slot numbering
-            return (None, np.ascontiguousarray(self.slots_EX[:, :width]),
-                    np.ascontiguousarray(device_EX[:, :width]),
-                    np.ascontiguousarray(share_EX[:, :width]))
         slots_EX = np.full((device_EX.shape[0], width), -1, dtype=np.int64)
         placed = self.placed_EX.shape[1]
         slots_EX[:, :min(placed, width)] = self.placed_EX[:, :width]
