@@ -78,13 +78,50 @@ def test_window_plan_same_in_both_executions(case, data):
 def test_window_plan_serves_its_steps_no_worse_than_the_mean_plan(rng):
     topo = mb.Topology.from_arrays([1.0] * 4 + [0.5] * 2, [4] * 6)
     counts = _window(rng, _zipf(rng, 3, 20), 40)
-    judged = sampled(counts)
-    plain, aware = mb.plan(counts.mean(axis=0), topo), mb.plan(counts, topo)
+    # the steps a window's plan serves: the window's, at the level of its recent steps
+    recent = steps.recent_steps(counts)
+    judged = sampled(steps.recentred(counts, recent))
+    plain, aware = mb.plan(counts[-recent:].mean(axis=0), topo), mb.plan(counts, topo)
     aware.validate(topo)
     assert np.all(_served(judged, aware, topo, JUDGE_SWEEPS)
                   <= _served(judged, plain, topo, JUDGE_SWEEPS) + 1e-9)
-    # loads with spread= is the same plan as the window itself
-    assert mb.plan(counts.mean(axis=0), topo, spread=counts) == aware
+    # the window is planned as its recent level (loads=) with its steps moved there (spread=)
+    recent = steps.recent_steps(counts)
+    assert mb.plan(counts[-recent:].mean(axis=0), topo,
+                   spread=steps.recentred(counts, recent)) == aware
+
+
+def test_steady_loads_keep_the_whole_window_and_moved_loads_keep_the_recent_steps(rng):
+    base = _zipf(rng, 2, 16)
+    steady = np.broadcast_to(base, (20, *base.shape)).copy()
+    assert steps.recent_steps(steady) == 20
+    np.testing.assert_array_equal(steps.recentred(steady, 20), steady)
+    # the hot experts change 14 steps into the window: the steps since then describe the loads
+    moved = steady.copy()
+    moved[14:] = base[:, ::-1]
+    recent = steps.recent_steps(moved)
+    assert recent < 20
+    np.testing.assert_allclose(moved[-recent:].mean(axis=0), base[:, ::-1])
+
+
+def test_recentred_steps_keep_their_deviations_at_the_recent_level(rng):
+    counts = _window(rng, _zipf(rng, 2, 12), 30)
+    counts[15:] *= 2.0
+    out = steps.recentred(counts, 6)
+    assert out.shape == counts.shape and np.all(out >= 0)
+    want = np.maximum(counts - counts.mean(axis=0) + counts[-6:].mean(axis=0), 0.0)
+    np.testing.assert_allclose(out, want)
+
+
+def test_plan_from_a_window_whose_loads_moved_balances_the_new_loads(rng):
+    topo = mb.Topology.uniform(8, 3)
+    old, new = _zipf(rng, 2, 16, tokens=8000.0), _zipf(rng, 2, 16, tokens=8000.0)
+    counts = np.concatenate([_window(rng, old, 30, sigma=0.1), _window(rng, new, 10, sigma=0.1)])
+    later = _window(rng, new, 20, sigma=0.1)
+    ideal = later.sum(axis=2).mean(axis=0) / topo.speed.sum()
+    tracked = _served(later, mb.plan(counts, topo), topo) / ideal
+    whole = _served(later, mb.plan(counts.mean(axis=0), topo, spread=counts), topo) / ideal
+    assert tracked.mean() < whole.mean() - 0.01
 
 
 def test_plan_for_the_steps_beats_the_mean_plan_on_held_out_steps():

@@ -44,7 +44,7 @@ from ..migrate.transfer import MigrationError, Migrator
 from ..migrate.wire import same_everywhere
 from ..nn.slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import MoveCost, plan
-from ..planner.steps import sampled
+from ..planner.steps import planning_window, sampled
 from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
 from ..tracker import LoadTracker
@@ -91,9 +91,11 @@ def logged_figures(report: dict) -> dict[str, float]:
     return {f"moebalance/{key}": float(report[key]) for key in LOGGED_FIGURES}
 
 
-def _mean(loads: np.ndarray) -> np.ndarray:
-    """[L, E]: the steps' mean of per-step counts [T, L, E]; loads [L, E] as they are."""
-    return loads.mean(axis=0) if loads.ndim == 3 else loads
+def _for_plan(loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(loads [L, E], steps [T, L, E]) a plan from ``loads`` is for: per-step counts [T, L, E]
+    give their recent level and their steps moved to it (:func:`.planner.steps.planning_window`);
+    loads [L, E] are both."""
+    return planning_window(loads) if loads.ndim == 3 else (loads, loads[None])
 
 
 class Rebalancer:
@@ -243,8 +245,8 @@ class Rebalancer:
                 # re-split follows them from the next step, on the old placement and the new.
                 set_device_speeds(self.model, self.topology.speed)
                 current = current_placement(self.model)
-                report = self._replan(loads, current,
-                                      summary_imbalance(_mean(loads), current, self.topology))
+                report = self._replan(loads, current, summary_imbalance(
+                    _for_plan(loads)[0], current, self.topology))
                 report["speeds"] = self.topology.speed.tolist()
                 return report
         since = self.steps - self._last_replan
@@ -255,7 +257,7 @@ class Rebalancer:
             return None
         loads = self._loads()
         current = current_placement(self.model)
-        before = summary_imbalance(_mean(loads), current, self.topology)
+        before = summary_imbalance(_for_plan(loads)[0], current, self.topology)
         if due or (self.threshold is not None and before > self.threshold):
             return self._replan(loads, current, before)
         if self.move_cost is not None:       # same reduced loads on every rank: same answer
@@ -309,9 +311,10 @@ class Rebalancer:
                        **self.plan_options)
         planned_ms = (time.perf_counter() - start) * 1e3
         self._check_agreement(new)
-        after = summary_imbalance(_mean(loads), new, self.topology)
+        level, window = _for_plan(loads)
+        after = summary_imbalance(level, new, self.topology)
         # per step after the re-split, on the steps plan() judges (on the loads before two steps)
-        judged = sampled(loads) if loads.ndim == 3 else loads[None]
+        judged = sampled(window)
         steps_before = float(step_imbalance(judged, current, self.topology).mean())
         steps_after = float(step_imbalance(judged, new, self.topology).mean())
         migration = apply_placement(self.model, new, self.optimizer, topology=self.topology,

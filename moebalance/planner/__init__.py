@@ -100,8 +100,12 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
     Args:
         loads: [L, E] (or [E]) predicted tokens per logical expert, or [T, L, E] the per-step
             counts of a recent window (what :class:`~moebalance.LoadTracker` keeps): the plan
-            is then for the steps, as with ``spread`` (their mean is the predicted load);
-            numpy, torch (CPU or CUDA) or cupy; finite and >= 0.
+            is then for the steps, as with ``spread``. Loads drift: the predicted load is the
+            mean of the window's last steps that still describe it (the whole window when
+            the loads held steady; half or a quarter of it when, held out, the last quarter
+            of the window is nearer those steps' mean), and the window's steps are moved to
+            that level (:func:`.steps.planning_window`); numpy, torch (CPU or CUDA) or cupy;
+            finite and >= 0.
         topology: the devices (speed, slots, node); S = topology.num_slots >= E.
         previous: the placement in service now. Experts stay where they are unless moving them
             buys real balance; ``previous`` is not modified.
@@ -150,7 +154,9 @@ def plan(loads, topology: Topology, previous: Placement | None = None,
             raise ValueError(f"loads [steps, num_layers, num_experts] needs at least one step, "
                              f"layer and expert, got shape {arr.shape}")
         spread = as_loads(arr.reshape(-1, arr.shape[2]), "loads").reshape(arr.shape)
-        loads = spread.mean(axis=0)
+        # the loads are the level of the steps that still describe them (all of them when
+        # they held steady), and the window's steps are moved to that level
+        loads, spread = steps.planning_window(spread)
     w = planning_loads(loads, topology)
     L, E = w.shape
     S = topology.num_slots

@@ -35,11 +35,13 @@ def replan_if_it_pays(loads, current: Placement, topology: Topology, move_cost,
 
     Returns:
         (placement or None, figures): figures holds ``imbalance_before`` /
-        ``imbalance_after`` (summary imbalance on the mean load), ``moves`` and ``saving``
-        (the summary imbalance saved on the mean, times the steps it serves, in ideal steps).
+        ``imbalance_after`` (summary imbalance on the loads the plan is for: per-step
+        counts' recent level, see :func:`moebalance.plan`), ``moves`` and ``saving`` (the
+        summary imbalance saved on those loads, times the steps it serves, in ideal steps).
     """
     from ..metrics import summary_imbalance
     from . import MoveCost, plan
+    from .steps import planning_window
 
     if not isinstance(current, Placement):
         raise TypeError(f"current must be the moebalance.Placement in service, got "
@@ -49,7 +51,8 @@ def replan_if_it_pays(loads, current: Placement, topology: Topology, move_cost,
                         f"{type(move_cost).__name__}")
     new = plan(loads, topology, previous=current, move_cost=move_cost)
     arr = to_numpy(loads, "loads")
-    mean = arr.mean(axis=0) if arr.ndim == 3 else arr
+    # the loads a plan from per-step counts is for: their recent level
+    mean = planning_window(arr)[0] if arr.ndim == 3 else arr
     before = summary_imbalance(mean, current, topology)
     after = summary_imbalance(mean, new, topology)
     moves = new.moves_from(current)

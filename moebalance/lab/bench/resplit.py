@@ -302,7 +302,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     notes = ["placement planned on each window's per-step counts (plan(window, previous=...)), "
              "scored on "
              "every step of the next window; imbalance = sum_l max_g(load/speed) / sum_l ideal "
-             "per step, mean over steps; us/layer: one resplit_shares call (backend "
+             "per step, mean over steps; window mean: the placement on the window's mean "
+             "(plans are for its recent level when the loads moved within it); us/layer: one "
+             "resplit_shares call (backend "
              f"{backend('resplit', 'cpu')}), one thread",
              f"kernel timing: {KERNEL_CASE['layers']} layers of a generated DeepSeek-V3-shape "
              f"trace (seed 0), planned on each {KERNEL_CASE['window']}-step window's mean, "
