@@ -284,7 +284,7 @@ class SpeedTracker:
         from .metrics import summary_imbalance
         from .nn.slots import current_placement
         from .planner import plan
-        from .planner.steps import planning_window
+        from .planner.steps import planned_loads
 
         if self.steps % self.every or self.speed is None:
             return None
@@ -300,7 +300,7 @@ class SpeedTracker:
         # Expert time per step is proportional to sum_l max_g(load/speed): the imbalance ratio
         # (on the loads the plan is for, the steps' recent level, when the Rebalancer reads
         # per-step counts [T, L, E]).
-        mean = planning_window(loads)[0] if loads.ndim == 3 else loads
+        mean = planned_loads(loads)
         before = summary_imbalance(mean, current, measured)
         after = summary_imbalance(mean, new, measured)
         saving_s = (self.expert_s or 0.0) * max(0.0, 1.0 - after / before) * self.horizon

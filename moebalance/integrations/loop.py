@@ -44,7 +44,7 @@ from ..migrate.transfer import MigrationError, Migrator
 from ..migrate.wire import same_everywhere
 from ..nn.slots import apply_placement, current_placement, moe_layers, set_device_speeds
 from ..planner import MoveCost, plan
-from ..planner.steps import planning_window, sampled
+from ..planner.steps import planned_loads, planning_window, sampled
 from ..planner.trigger import replan_if_it_pays
 from ..topology import Topology
 from ..tracker import LoadTracker
@@ -245,8 +245,9 @@ class Rebalancer:
                 # re-split follows them from the next step, on the old placement and the new.
                 set_device_speeds(self.model, self.topology.speed)
                 current = current_placement(self.model)
-                report = self._replan(loads, current, summary_imbalance(
-                    _for_plan(loads)[0], current, self.topology))
+                report = self._replan(loads, current,
+                                      summary_imbalance(planned_loads(loads), current,
+                                                        self.topology))
                 report["speeds"] = self.topology.speed.tolist()
                 return report
         since = self.steps - self._last_replan
@@ -257,7 +258,7 @@ class Rebalancer:
             return None
         loads = self._loads()
         current = current_placement(self.model)
-        before = summary_imbalance(_for_plan(loads)[0], current, self.topology)
+        before = summary_imbalance(planned_loads(loads), current, self.topology)
         if due or (self.threshold is not None and before > self.threshold):
             return self._replan(loads, current, before)
         if self.move_cost is not None:       # same reduced loads on every rank: same answer

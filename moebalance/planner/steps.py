@@ -401,6 +401,12 @@ def recentred(counts_TLE: np.ndarray, recent: int) -> np.ndarray:
     return np.maximum(out, 0.0, out=out)
 
 
+def planned_loads(loads: np.ndarray) -> np.ndarray:
+    """[L, E] a plan from ``loads`` is for: per-step counts [T, L, E] give the mean of their
+    last :func:`recent_steps` steps; loads [L, E] are returned as they are."""
+    return loads[-recent_steps(loads):].mean(axis=0) if loads.ndim == 3 else loads
+
+
 def planning_window(counts_TLE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What a plan from a window of per-step counts [T, L, E] is for: (the loads [L, E], the
     mean of the last :func:`recent_steps` steps; the steps [T, L, E], :func:`recentred` to

@@ -41,7 +41,7 @@ def replan_if_it_pays(loads, current: Placement, topology: Topology, move_cost,
     """
     from ..metrics import summary_imbalance
     from . import MoveCost, plan
-    from .steps import planning_window
+    from .steps import planned_loads
 
     if not isinstance(current, Placement):
         raise TypeError(f"current must be the moebalance.Placement in service, got "
@@ -51,8 +51,7 @@ def replan_if_it_pays(loads, current: Placement, topology: Topology, move_cost,
                         f"{type(move_cost).__name__}")
     new = plan(loads, topology, previous=current, move_cost=move_cost)
     arr = to_numpy(loads, "loads")
-    # the loads a plan from per-step counts is for: their recent level
-    mean = planning_window(arr)[0] if arr.ndim == 3 else arr
+    mean = planned_loads(arr)
     before = summary_imbalance(mean, current, topology)
     after = summary_imbalance(mean, new, topology)
     moves = new.moves_from(current)
