@@ -3,6 +3,10 @@ gathers and combines) or to rounding (dot products), on random inputs with fixed
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -223,6 +227,27 @@ def test_numba_kernels_run_as_plain_python(monkeypatch):
     assert torch.equal(numba_kernels.combine(y, pos, w), reference.combine(y, pos, w))
     torch.testing.assert_close(numba_kernels.combine_weight_grad(x, y, pos),
                                reference.combine_weight_grad(x, y, pos))
+
+
+_THREADS_AFTER_FIRST_KERNEL = """
+import torch
+from moebalance.dispatch import numba_kernels
+
+ids = torch.tensor([[0, 1], [1, 0]])
+slots, bounds = torch.tensor([[0], [1]]), torch.tensor([[2], [2]])
+numba_kernels.route(ids, torch.zeros_like(ids), slots, bounds)
+print(torch.get_num_threads())
+"""
+
+
+def test_first_kernel_leaves_torch_thread_count_alone():
+    """torchrun holds each rank to one thread (OMP_NUM_THREADS=1). Numba's OpenMP pool, started
+    by the first parallel kernel, set torch's count to its own (every core) before; it is kept."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _THREADS_AFTER_FIRST_KERNEL], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1"]
 
 
 # -- backend choice ----------------------------------------------------------------------------

@@ -32,16 +32,26 @@ _SERIAL_BELOW = 1 << 15
 
 @contextmanager
 def _threads_for(elements: int) -> Iterator[None]:
-    """Run the enclosed kernel call on one thread when ``elements`` is small."""
+    """Run the enclosed kernel call on no more threads than torch's intra-op pool, and on one
+    when ``elements`` is small; leave torch's thread count as it was.
+
+    Numba's OpenMP threading layer shares the OpenMP runtime with torch: its first parallel
+    kernel sets torch's thread count to Numba's, so a rank that torchrun (OMP_NUM_THREADS=1) or
+    the user held to one thread would run torch on every core after its first dispatch, several
+    times slower where ranks share the cores.
+    """
+    torch_threads = torch.get_num_threads()
     before = numba.get_num_threads()
-    if elements >= _SERIAL_BELOW or before == 1:
-        yield
-        return
-    numba.set_num_threads(1)
+    wanted = 1 if elements < _SERIAL_BELOW else min(before, torch_threads)
+    if wanted != before:
+        numba.set_num_threads(wanted)
     try:
         yield
     finally:
-        numba.set_num_threads(before)
+        if wanted != before:
+            numba.set_num_threads(before)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 # -- kernels (numpy in, numpy out; inputs already checked) ------------------------------------
