@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .backends import has_numba
+from .dispatch.shares import step_imbalance
 from .nn.moe import DenseMoE, ExpertParallelMoE
 from .planner import plan, rebalance_experts
 from .topology import Topology
@@ -69,6 +70,15 @@ def warm_up(progress: Callable[[str], None] | None = None,
         previous = plan(w, topo, backend="numba")
         plan(w[:, ::-1].copy(), topo, previous=previous, max_moves=3, backend="numba")
         plan(w, topo, spread=np.stack([w, w[:, ::-1]]), backend="numba")  # spread-aware path
+        # The Rebalancer's calls: a window of per-step counts, planned fresh and against the
+        # placement in force, judged step by step. A placement's arrays are read-only, which
+        # Numba compiles apart from writable ones: each job's first re-plan would compile them.
+        # Devices alike in speed and slots take the renaming path too.
+        alike = Topology.from_arrays([1.0, 1.0, 0.5, 0.5], [3, 3, 3, 3], [0, 0, 1, 1])
+        window = np.stack([w * (1.0 + 0.1 * t) for t in range(8)])
+        fresh = plan(window, alike, backend="numba")
+        plan(window[:, :, ::-1].copy(), alike, previous=fresh, max_moves=3, backend="numba")
+        step_imbalance(window, fresh, alike, backend="numba")
 
     def drop_in() -> None:
         rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical

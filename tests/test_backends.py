@@ -6,9 +6,11 @@ import importlib.machinery
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import moebalance as mb
+from moebalance.backends import has_numba
 
 # Every test here starts from a clean selection state and leaves it as it found it.
 pytestmark = pytest.mark.usefixtures("isolated_backends")
@@ -203,6 +205,27 @@ def test_warm_up_compiles_every_part():
         assert all(seconds >= 0 for seconds in spent.values())
     else:
         assert spent == {}
+
+
+@pytest.mark.skipif(not has_numba(), reason="needs Numba")
+def test_after_warm_up_a_rebalancers_replan_compiles_nothing():
+    """The Rebalancer's calls (a window of per-step counts, planned against the placement in
+    force, whose arrays are read-only, and judged per step) find every kernel compiled: each
+    rank of a job would otherwise compile them at its first re-plan."""
+    import moebalance as mb
+    from moebalance.planner import _jit
+
+    def specialisations() -> int:     # compiled now or loaded from the on-disk cache
+        return sum(len(k.signatures) for k in vars(_jit.kernels("numba")).values())
+
+    mb.warm_up(parts=["planner"])
+    topology = mb.Topology.from_arrays([1.0, 1.0, 0.5, 0.5], [3, 3, 3, 3], [0, 0, 1, 1])
+    window = np.random.default_rng(0).integers(0, 50, (6, 2, 8)).astype(np.float64)
+    before = specialisations()
+    in_force = mb.plan(window, topology, backend="numba")
+    mb.plan(window[::-1].copy(), topology, previous=in_force, max_moves=2, backend="numba")
+    mb.step_imbalance(window, in_force, topology, backend="numba")
+    assert specialisations() == before
 
 
 def test_warm_up_of_some_parts_leaves_the_others_and_names_a_bad_part():
