@@ -234,6 +234,7 @@ import torch
 from moebalance.dispatch import numba_kernels
 
 ids = torch.tensor([[0, 1], [1, 0]])
+numba_kernels.sort_by_slot(ids, 2)      # the dispatcher's first kernel, then the others
 slots, bounds = torch.tensor([[0], [1]]), torch.tensor([[2], [2]])
 numba_kernels.route(ids, torch.zeros_like(ids), slots, bounds)
 print(torch.get_num_threads())

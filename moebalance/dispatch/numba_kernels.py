@@ -31,14 +31,14 @@ _SERIAL_BELOW = 1 << 15
 
 
 @contextmanager
-def _threads_for(elements: int) -> Iterator[None]:
+def _threads_for(elements: int) -> Iterator[int]:
     """Run the enclosed kernel call on no more threads than torch's intra-op pool, and on one
-    when ``elements`` is small; leave torch's thread count as it was.
+    when ``elements`` is small; give that thread count; leave torch's count as it was.
 
-    Numba's OpenMP threading layer shares the OpenMP runtime with torch: its first parallel
-    kernel sets torch's thread count to Numba's, so a rank that torchrun (OMP_NUM_THREADS=1) or
-    the user held to one thread would run torch on every core after its first dispatch, several
-    times slower where ranks share the cores.
+    Numba's OpenMP threading layer shares the OpenMP runtime with torch: starting it (Numba's
+    first thread query or parallel kernel) sets torch's thread count to Numba's, so a rank that
+    torchrun (OMP_NUM_THREADS=1) or the user held to one thread would run torch on every core
+    after its first dispatch, several times slower where ranks share the cores.
     """
     torch_threads = torch.get_num_threads()
     before = numba.get_num_threads()
@@ -46,7 +46,7 @@ def _threads_for(elements: int) -> Iterator[None]:
     if wanted != before:
         numba.set_num_threads(wanted)
     try:
-        yield
+        yield wanted
     finally:
         if wanted != before:
             numba.set_num_threads(before)
@@ -203,8 +203,8 @@ def sort_by_slot(slot_TK: torch.Tensor,
     pos = torch.empty(slot_TK.shape, dtype=torch.int64)
     counts = torch.zeros(num_slots, dtype=torch.int64)
     if n:
-        chunks = max(1, min(numba.get_num_threads(), n // _MIN_PAIRS_PER_CHUNK))
-        with _threads_for(n):
+        with _threads_for(n) as threads:
+            chunks = max(1, min(threads, n // _MIN_PAIRS_PER_CHUNK))
             _sort_kernel(_cpu(slot_TK, "slot_TK").reshape(-1), num_slots, chunks, order.numpy(),
                          pos.numpy().reshape(-1), counts.numpy())
     return order, pos, counts
