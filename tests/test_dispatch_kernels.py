@@ -243,7 +243,8 @@ print(torch.get_num_threads())
 
 def test_first_kernel_leaves_torch_thread_count_alone():
     """torchrun holds each rank to one thread (OMP_NUM_THREADS=1). Numba's OpenMP pool, started
-    by the first parallel kernel, set torch's count to its own (every core) before; it is kept."""
+    by the first thread query or parallel kernel, set torch's count to its own (every core)
+    before; it is kept."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", _THREADS_AFTER_FIRST_KERNEL], env=env,
                           capture_output=True, text=True, timeout=120)
