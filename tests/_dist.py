@@ -25,6 +25,7 @@ every later group fail.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import multiprocessing as mp
@@ -276,7 +277,7 @@ def selected_groups(items) -> list:
 
 
 def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float = 300.0,
-                 collective_timeout_s: float = 30.0):
+                 collective_timeout_s: float = 30.0, quiet: bool = False):
     """Register a test module's ``cases`` as group ``group`` (its ``__name__``) of the shared
     spawn and return the module-scoped ``dist_results`` fixture that gives their outcomes.
 
@@ -287,6 +288,8 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
         timeout_s: wall-clock limit for the group, counted from when its tests ask for it (the
             first group's includes starting the ranks); past it the ranks are killed.
         collective_timeout_s: gloo timeout, so a rank waiting on a failed peer gives up.
+        quiet: the cases judge measured times: the suite's background commands pause while
+            the group runs (see ``_launches.py``).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -297,7 +300,8 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
                            float(collective_timeout_s))
 
     @pytest.fixture(scope="module", name="dist_results")
-    def dist_results(dist_spawns):
-        return dist_spawns.results(group)
+    def dist_results(dist_spawns, background):
+        with background.paused() if quiet else contextlib.nullcontext():
+            return dist_spawns.results(group)
 
     return dist_results

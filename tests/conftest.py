@@ -8,12 +8,14 @@ Hypothesis profiles (choose with ``HYPOTHESIS_PROFILE=...``):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
 import numpy as np
 import pytest
 from _dist import SharedSpawns, selected_groups
+from _launches import TIMEOUT_S, Launches, launches_of
 from hypothesis import HealthCheck, settings
 
 # The package re-exports the function ``backends`` under the submodule's name, so attribute
@@ -89,30 +91,49 @@ def run_moebalance(capfd):
     return run
 
 
-# -- the examples: started in the background as the session starts, checked at its end -------------
+# -- commands run in the background (see ``_launches.py``) ----------------------------------------
 
-
-def _module_name(item) -> str | None:
-    module = getattr(item, "module", None)
-    return module.__name__ if module is not None else None
+_LAUNCHES: list[Launches] = []
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run test_examples' tests last: their launches run beside everything before them."""
-    items.sort(key=lambda item: _module_name(item) == "test_examples")
+    """Run the tests that read background commands last, in the order their commands start."""
+    def key(item):
+        launches = launches_of(item)
+        return (bool(launches), -max((launch.seconds for launch in launches), default=0.0))
+
+    items.sort(key=key)
+    for item in items:
+        if launches_of(item):
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S + 60), append=False)
 
 
 def pytest_collection_finish(session):
-    """Start every selected example launch now, so that their ranks use the core the rest of
-    the suite (mostly one process) leaves idle."""
-    examples = [item for item in session.items if _module_name(item) == "test_examples"]
-    if examples and not session.config.option.collectonly:
-        examples[0].module.start_launches(session.items)
+    """Start the selected tests' commands now, beside the rest of the suite."""
+    if not session.config.option.collectonly and any(map(launches_of, session.items)):
+        _LAUNCHES.append(Launches(session.items))
 
 
 def pytest_sessionfinish(session):
-    import sys
+    for launches in _LAUNCHES:
+        launches.close()
 
-    module = sys.modules.get("test_examples")
-    if module is not None:
-        module.stop_launches()
+
+class _NoLaunches:
+    @staticmethod
+    def paused():
+        return contextlib.nullcontext()
+
+
+@pytest.fixture(scope="session")
+def background():
+    """What runs in the background: ``background.paused()`` holds it for a ``with`` block."""
+    return _LAUNCHES[0] if _LAUNCHES else _NoLaunches()
+
+
+@pytest.fixture(scope="session")
+def launches(request) -> Launches:
+    """The background commands of the selected tests (started when collection ended)."""
+    if not _LAUNCHES:
+        _LAUNCHES.append(Launches(request.session.items))
+    return _LAUNCHES[0]

@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+from _launches import Launch
 
 from moebalance import Placement, Topology, imbalance, plan, step_imbalance, summary_imbalance
 from moebalance.cli import main as cli
@@ -37,15 +38,14 @@ def loads_file(tmp_path):
 
 # -- bench ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def quick_bench(tmp_path_factory):
-    """One ``python -m moebalance bench --quick`` run shared by the bench tests."""
-    out = tmp_path_factory.mktemp("bench-out")
-    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "--quick", "--out",
-                           str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout
+# One ``python -m moebalance bench --quick`` run, in the background, shared by the bench tests.
+LAUNCHES = {"quick_bench": [Launch("bench --quick", [sys.executable, "-m", "moebalance", "bench",
+                                                     "--quick", "--out", "{out}"], seconds=16)]}
+
+
+@pytest.fixture
+def quick_bench(launches):
+    return launches.folder("bench --quick"), launches.output("bench --quick")
 
 
 def test_bench_quick_writes_results_summary_and_plot(quick_bench):

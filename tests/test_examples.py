@@ -19,21 +19,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from _launches import Launch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# Every launch must end within this (seconds) of the session's start. Idle, each takes about a
-# minute; they run beside the rest of the suite on a 2-core machine, which takes several.
-# pytest-timeout's own limit sits just above it.
-TIMEOUT_S = 1500
-pair_timeout = pytest.mark.timeout(TIMEOUT_S + 60)
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                               or importlib.util.find_spec("accelerate") is None,
@@ -42,104 +34,35 @@ needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is No
                                      reason="needs Lightning")
 
 
-def _command(name: str, args, torchrun: bool, nproc: int = 4) -> list[str]:
+def _example(label: str, name: str, args, seconds: float, torchrun: bool,
+             nproc: int = 4) -> Launch:
     # ``python -m torch.distributed.run`` is the torchrun console script, without needing PATH.
     launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
                 if torchrun else [])
-    return [sys.executable, *launcher, str(EXAMPLES / name), *map(str, args)]
+    return Launch(label, [sys.executable, *launcher, str(EXAMPLES / name), *map(str, args)],
+                  seconds)
 
 
-# The launches each test reads, by test name: (label, example, arguments, under torchrun,
-# ranks). ``{out}`` in an argument is the module's output folder.
+# The launches each test reads, by test name (run in the background: see ``_launches.py``).
 LAUNCHES = {
     "test_expert_parallel_example_trains_alike_spawned_and_under_torchrun": [
-        ("ep spawned", "expert_parallel_gloo.py", ["--quick"], False, 4),
-        ("ep torchrun", "expert_parallel_gloo.py", ["--quick"], True, 4)],
+        _example("ep spawned", "expert_parallel_gloo.py", ["--quick"], 8, torchrun=False),
+        _example("ep torchrun", "expert_parallel_gloo.py", ["--quick"], 9, torchrun=True)],
     "test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs": [
-        ("ep 2 ranks", "expert_parallel_gloo.py", ["--steps", "1"], True, 2)],
+        _example("ep 2 ranks", "expert_parallel_gloo.py", ["--steps", "1"], 3, torchrun=True,
+                 nproc=2)],
     "test_train_rebalance_example_every_loop_trains_alike_spawned": [
-        ("train_rebalance", "train_rebalance.py",
-         ["--quick", "--loop", "all", "--out", "{out}/s.png"], False, 4)],
+        _example("train_rebalance", "train_rebalance.py",
+                 ["--quick", "--loop", "all", "--out", "{out}/s.png"], 22, torchrun=False)],
     "test_hf_trainer_example_trains_under_torchrun": [
-        ("hf", "hf_trainer_rebalance.py", ["--quick", "--out", "{out}/torchrun"], True, 4)],
+        _example("hf", "hf_trainer_rebalance.py", ["--quick", "--out", "{out}/torchrun"], 15,
+                 torchrun=True)],
     "test_lightning_example_trains_spawned": [
-        ("lightning", "lightning_rebalance.py", ["--quick"], False, 4)],
+        _example("lightning", "lightning_rebalance.py", ["--quick"], 17, torchrun=False)],
     "test_frameworks_example_every_framework_trains_alike_under_torchrun": [
-        ("frameworks", "frameworks_agree.py", ["--quick", "--json", "{out}/t.json"], True, 4)],
+        _example("frameworks", "frameworks_agree.py", ["--quick", "--json", "{out}/t.json"], 22,
+                 torchrun=True)],
 }
-
-
-class Launches:
-    """Every selected test's example runs, started side by side when the module starts.
-
-    One launch alone leaves a core idle while its ranks wait on each other (start-up, the
-    frameworks' set-up); side by side they keep both busy.
-    """
-
-    def __init__(self, wanted: list[str], out: Path) -> None:
-        self.out = out
-        self.procs = {}
-        for test in wanted:
-            for label, name, args, torchrun, nproc in LAUNCHES[test]:
-                args = [str(a).format(out=out) for a in args]
-                self.procs[label] = subprocess.Popen(
-                    _command(name, args, torchrun, nproc), stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, text=True)
-        self.deadline = time.monotonic() + TIMEOUT_S
-        self.done = {}
-
-    def result(self, label: str) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) of one launch, waiting for it."""
-        if label not in self.done:
-            proc = self.procs[label]
-            try:
-                out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                err += f"\n(killed after {TIMEOUT_S} s)"
-            self.done[label] = (proc.returncode, out, err)
-        return self.done[label]
-
-    def output(self, label: str) -> str:
-        """stdout of a launch that must succeed."""
-        code, out, err = self.result(label)
-        assert code == 0, f"{label} failed:\n{err[-3000:]}"
-        return out
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-
-
-_STARTED: list[Launches] = []
-
-
-def start_launches(items) -> None:
-    """Start the launches of the selected, not skipped tests of this module (conftest calls this
-    when collection ends, so they run beside the rest of the suite)."""
-    if _STARTED:
-        return
-    wanted = sorted({item.originalname for item in items
-                     if item.module is sys.modules[__name__] and item.originalname in LAUNCHES
-                     and not any(m.name == "skip" or (m.name == "skipif" and m.args[0])
-                                 for m in item.iter_markers())})
-    out = Path(tempfile.mkdtemp(prefix="moebalance-examples-"))
-    _STARTED.append(Launches(wanted, out))
-
-
-def stop_launches() -> None:
-    for runs in _STARTED:
-        runs.close()
-        shutil.rmtree(runs.out, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def launches(request):
-    start_launches(request.session.items)    # when conftest did not (a run of this file alone)
-    return _STARTED[0]
 
 
 def _mean_losses(out: str) -> list[float]:
@@ -151,7 +74,6 @@ def _mean_losses(out: str) -> list[float]:
 
 
 @pytest.mark.distributed
-@pair_timeout
 def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun(launches):
     spawned, torchrun = launches.output("ep spawned"), launches.output("ep torchrun")
     for out in (spawned, torchrun):
@@ -162,7 +84,6 @@ def test_expert_parallel_example_trains_alike_spawned_and_under_torchrun(launche
 
 
 @pytest.mark.distributed
-@pair_timeout
 def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs(launches):
     code, _, err = launches.result("ep 2 ranks")
     assert code != 0
@@ -172,7 +93,6 @@ def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs(launche
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
-@pair_timeout
 def test_train_rebalance_example_every_loop_trains_alike_spawned(launches):
     # --loop all: the plain loop, the user's DDP, the HF Trainer and L.Trainer(devices=4,
     # strategy="ddp"), one after another in the spawned ranks (under torchrun: frameworks_agree).
@@ -186,14 +106,14 @@ def test_train_rebalance_example_every_loop_trains_alike_spawned(launches):
     # experts by id, match the plain loop's: no framework overwrote a rank's slots.
     drifts = [float(x) for x in re.findall(r"max \|difference\| ([0-9.eE+-]+)", out)]
     assert len(drifts) == 4 and max(drifts) < 1e-4, drifts
+    folder = launches.folder("train_rebalance")
     for loop in ("plain", "ddp", "hf", "lightning"):
-        rows = json.loads((launches.out / f"s_{loop}.json").read_text())
-        assert len(rows) == 6 and (launches.out / f"s_{loop}.png").is_file()
+        rows = json.loads((folder / f"s_{loop}.json").read_text())
+        assert len(rows) == 6 and (folder / f"s_{loop}.png").is_file()
 
 
 @pytest.mark.distributed
 @needs_hf
-@pair_timeout
 def test_hf_trainer_example_trains_under_torchrun(launches):
     # Under torchrun the Trainer's DDP averages the dense part and its sampler shards the rows the
     # example hands it (every rank's); that each loop trains alike is checked by
@@ -201,14 +121,13 @@ def test_hf_trainer_example_trains_under_torchrun(launches):
     out = launches.output("hf")
     assert len(_mean_losses(out)) == 1
     assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
-    assert (launches.out / "torchrun" / "config.json").is_file()
-    assert (launches.out / "torchrun" / "moebalance_placement.npz").is_file()
+    assert (launches.folder("hf") / "torchrun" / "config.json").is_file()
+    assert (launches.folder("hf") / "torchrun" / "moebalance_placement.npz").is_file()
 
 
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
-@pair_timeout
 def test_lightning_example_trains_spawned(launches):
     # L.Trainer(devices=4, strategy="ddp"), spawned: the example sets LOCAL_RANK so Lightning
     # joins the spawned ranks (under torchrun Lightning finds torchrun's ranks: checked by
@@ -222,13 +141,12 @@ def test_lightning_example_trains_spawned(launches):
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
-@pair_timeout
 def test_frameworks_example_every_framework_trains_alike_under_torchrun(launches):
     # fp64: the hand-written loop, the user's DDP, the HF Trainer (its own DDP) and Lightning,
     # each finding torchrun's ranks; every loss sequence is the plain loop's (spawned, every
     # loop: train_rebalance --loop all).
     out = launches.output("frameworks")
-    runs = json.loads((launches.out / "t.json").read_text())["runs"]
+    runs = json.loads((launches.folder("frameworks") / "t.json").read_text())["runs"]
     assert sorted(runs) == ["torchrun ddp", "torchrun hf", "torchrun lightning", "torchrun plain"]
     reference = runs["torchrun plain"]["losses"]
     assert len(reference) == 4

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
+from _launches import Launch
+
+LAUNCHES = {"test_bench_pretrained_command_reports_its_figures": [Launch(
+    "bench pretrained", [sys.executable, "-m", "moebalance", "bench", "pretrained", "--quick",
+                         "--ranks", "2", "--out", "{out}"], seconds=16)]}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-def test_bench_pretrained_command_reports_its_figures(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moebalance", "bench", "pretrained", "--quick",
-                           "--ranks", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "largest ratio" in proc.stdout and (tmp_path / "summary.md").is_file()
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
+def test_bench_pretrained_command_reports_its_figures(launches):
+    stdout = launches.output("bench pretrained")
+    out = launches.folder("bench pretrained")
+    assert "largest ratio" in stdout and (out / "summary.md").is_file()
+    results = json.loads((out / "results.json").read_text())["results"]
     assert set(results) == {"from_pretrained", "whole_then_wrap"}
     for rows in results.values():
         assert [r["rank"] for r in rows] == [0, 1]

@@ -4,10 +4,12 @@ cluster file, and the check runs end to end on 4 gloo ranks."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
+from _launches import Launch
 
 from moebalance.lab.bench.simcheck import (
     TraceRouter,
@@ -99,21 +101,25 @@ def test_calibration_file_without_a_model_is_refused(tmp_path):
         load_calibration(path)
 
 
-@pytest.mark.timeout(90)
-def test_simcheck_runs_end_to_end_on_four_ranks(tmp_path, run_moebalance):
-    rc, out, err = run_moebalance(["bench", "simcheck", "--quick", "--hidden", "16", "--ffn", "32",
-                                   "--tokens", "16", "--warmup", "2", "--steps", "2", "--every",
-                                   "2", "--out", tmp_path])
+LAUNCHES = {"test_simcheck_runs_end_to_end_on_four_ranks": [Launch(
+    "bench simcheck", [sys.executable, "-m", "moebalance", "bench", "simcheck", "--quick",
+                       "--hidden", "16", "--ffn", "32", "--tokens", "16", "--warmup", "2",
+                       "--steps", "2", "--every", "2", "--out", "{out}"], seconds=10)]}
+
+
+def test_simcheck_runs_end_to_end_on_four_ranks(launches):
+    rc, out, err = launches.result("bench simcheck")
+    folder = launches.folder("bench simcheck")
     assert rc == 0, err[-3000:]
     assert "same ranking" in out
     assert "moebalance bench simcheck [" in err and "calibrating" in err
-    result = json.loads((tmp_path / "results.json").read_text())
+    result = json.loads((folder / "results.json").read_text())
     assert len(result["policies"]) == 4
     for row in result["policies"]:
         assert len(row["measured_step_s"]) == 2 and row["modelled_mean_step_s"] > 0
         assert row["measured_imbalance"] == pytest.approx(row["modelled_imbalance"], rel=0.05)
-    load_calibration(tmp_path / "calibration.json")
-    assert (tmp_path / "summary.md").is_file()
+    load_calibration(folder / "calibration.json")
+    assert (folder / "summary.md").is_file()
 
 
 def test_simcheck_rejects_a_calibration_of_another_shape(tmp_path, capsys):
