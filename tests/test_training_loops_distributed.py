@@ -9,6 +9,7 @@ Trainer (``RebalanceTrainerCallback``) train the small moebalance language model
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import tempfile
 
 import numpy as np
@@ -109,15 +110,137 @@ def hf_trainer_callback_drives_a_migration():
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
-            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
-            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
+            report_to=[], save_strategy="steps", save_steps=EVERY + 1, logging_strategy="no",
+            use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0)
         data = [{"input_ids": row} for row in _windows(dist.get_rank())]
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        callbacks=[callback])
         # the Trainer itself does not wrap the experts in DDP
         assert trainer.args.world_size == 1
         trainer.train()
+        # A model without a transformers config: the checkpoint holds the experts' own file.
+        saved = torch.load(f"{out}/checkpoint-{EVERY + 1}/moebalance_state.pt", weights_only=True)
+        assert saved["step"] == EVERY + 1 and saved["rebalancer"]["steps"] == EVERY + 1
     check_migrated(callback.rebalancer, model)
+
+
+def hf_trainer_resumes_from_its_own_checkpoint():
+    """``trainer.train(resume_from_checkpoint=True)`` on a wrapped transformers model: the steps
+    after the checkpoint, the re-plans and the final weights equal those of a run that never
+    stopped (the Trainer's own load puts rank 0's experts and optimizer state everywhere; the
+    callback loads every rank's by logical id)."""
+    import transformers
+
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+    from moebalance.integrations.wrap import unwrap_state_dict
+    from moebalance.lab.models import tiny_hf_moe
+
+    rank, total, saved_at = dist.get_rank(), 6, 3
+
+    def train(folder, steps, resume):
+        model = mb.wrap(tiny_hf_moe("qwen3_moe", experts=8, seed=0).double(), TOPOLOGY)
+        callback = RebalanceTrainerCallback(TOPOLOGY, every=2)
+        args = transformers.TrainingArguments(
+            output_dir=folder, max_steps=steps, per_device_train_batch_size=BATCH,
+            learning_rate=3e-3, lr_scheduler_type="constant", report_to=[],
+            save_strategy="steps", save_steps=saved_at, logging_strategy="no", use_cpu=True,
+            disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
+            train_sampling_strategy="sequential", average_tokens_across_devices=False)
+        data = TextBatches(SEQ, BATCH, WORLD, rank, seed=4)
+        rows = [{"input_ids": row, "labels": row} for step in range(total) for row in data(step)]
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                       callbacks=[callback])
+        losses = []
+        model.register_forward_hook(lambda module, inputs, out: losses.append(float(out.loss)))
+        trainer.train(resume_from_checkpoint=resume)
+        return losses, unwrap_state_dict(model), [r["step"] for r in callback.rebalancer.history]
+
+    # One output folder for every rank, as a user passes one path (transformers writes the
+    # model from rank 0 of the process group alone).
+    folders = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folders, group_src=0)
+    straight, stopped = f"{folders[0]}/straight", f"{folders[0]}/stopped"
+    losses, state, replans = train(straight, total, None)
+    first, _, _ = train(stopped, saved_at, None)
+    resumed, resumed_state, resumed_replans = train(stopped, total, True)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folders[0])
+    assert first == losses[:saved_at]
+    np.testing.assert_allclose(resumed, losses[saved_at:], rtol=1e-12, atol=0)
+    assert replans == resumed_replans == [2, 4, 6]
+    for key, value in state.items():
+        torch.testing.assert_close(resumed_state[key], value, rtol=1e-12, atol=1e-14)
+
+
+def lightning_ddp_resumes_from_its_checkpoint():
+    """``fit(ckpt_path=...)`` under ``strategy="ddp"``: Lightning writes rank 0's checkpoint and
+    restores its optimizer state on every rank; the callback puts every rank's experts and their
+    optimizer state back by logical id, so the resumed steps equal a run that never stopped."""
+    import os
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from moebalance.integrations.lightning import RebalanceCallback
+    from moebalance.nn import checkpoint
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = small_model().double()
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = lm_loss(self.lm(batch[:, :-1]), batch[:, 1:], BATCH * SEQ)
+            self.losses.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    saved_at, total = 3, 6
+    # One epoch is saved_at steps: Lightning resumes a plain DataLoader at an epoch's start.
+    rows = [row for r in range(WORLD) for step in range(saved_at)
+            for row in TextBatches(SEQ, BATCH, WORLD, r, seed=2)(step)]
+    folders = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folders, group_src=0)
+
+    def fit(steps, ckpt_path=None, folder=None):
+        module = Module()
+        callback = RebalanceCallback(TOPOLOGY, every=2)
+        saving = [ModelCheckpoint(dirpath=folder, every_n_train_steps=saved_at, save_top_k=-1)]
+        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=steps,
+                            logger=False, enable_checkpointing=folder is not None,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[callback] + (saving if folder else []))
+        sampler = torch.utils.data.DistributedSampler(rows, shuffle=False)
+        trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=BATCH, sampler=sampler),
+                    ckpt_path=ckpt_path)
+        state = checkpoint.expert_state_dict(module, trainer.optimizers[0])
+        return module.losses, state, [r["step"] for r in callback.rebalancer.history]
+
+    # Spawned ranks join Lightning's DDP as torchrun's would (see examples/train_rebalance.py).
+    os.environ["LOCAL_RANK"], os.environ["NODE_RANK"] = str(dist.get_rank()), "0"
+    try:
+        losses, state, replans = fit(total)
+        fit(saved_at, folder=folders[0])
+        resumed, resumed_state, resumed_replans = fit(
+            total, ckpt_path=f"{folders[0]}/epoch=0-step={saved_at}.ckpt")
+    finally:
+        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folders[0])
+    np.testing.assert_allclose(resumed, losses[saved_at:], rtol=1e-12, atol=0)
+    assert replans == resumed_replans == [2, 4, 6]
+    for key, value in state["model"].items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(resumed_state["model"][key], value, rtol=1e-12, atol=1e-14)
+    for fqn, entry in state["optimizer"]["state"].items():
+        for name, value in entry["logical"].items():
+            torch.testing.assert_close(resumed_state["optimizer"]["state"][fqn]["logical"][name],
+                                       value, rtol=1e-12, atol=1e-16)
 
 
 def plain_loop_replans_when_moves_pay():
@@ -144,7 +267,9 @@ CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_callback_drives_a_migration)
 if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):
-    CASES.append(hf_trainer_callback_drives_a_migration)
+    CASES += [hf_trainer_callback_drives_a_migration, hf_trainer_resumes_from_its_own_checkpoint]
+if importlib.util.find_spec("lightning") is not None:
+    CASES.append(lightning_ddp_resumes_from_its_checkpoint)   # last: it joins Lightning's DDP
 
 
 dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0,
@@ -157,15 +282,17 @@ def test_training_loop(dist_results, case):
     dist_results.check(case)
 
 
-def test_hf_callback_refuses_a_trainer_resume_at_once():
-    """A Trainer resumed from a checkpoint has already loaded the model its own way (not by
-    logical expert) and rank 0's optimizer state: the callback refuses before training starts."""
+def test_hf_callback_refuses_a_resume_without_its_state_file(tmp_path):
+    """A Trainer resumed from a checkpoint the callback did not write has loaded rank 0's
+    experts and optimizer state everywhere: the callback refuses before training starts."""
     from types import SimpleNamespace
 
     pytest.importorskip("transformers")
     from moebalance.integrations.hf import RebalanceTrainerCallback
 
+    (tmp_path / "checkpoint-5").mkdir()
     callback = RebalanceTrainerCallback(mb.Topology.uniform(num_devices=1, slots_per_device=4))
-    with pytest.raises(ValueError, match=r"mb\.from_pretrained"):
-        callback.on_train_begin(SimpleNamespace(max_grad_norm=1.0), SimpleNamespace(global_step=5),
-                                SimpleNamespace(), model=None)
+    with pytest.raises(ValueError,
+                       match=r"moebalance_state\.pt .*checkpoint-5.*mb\.from_pretrained"):
+        callback.on_train_begin(SimpleNamespace(max_grad_norm=1.0, output_dir=str(tmp_path)),
+                                SimpleNamespace(global_step=5), SimpleNamespace(), model=None)

@@ -21,14 +21,17 @@ list, so DDP averages the dense part and leaves each rank's experts alone (see
 :mod:`moebalance.frameworks`). Spawned without torchrun's environment the Trainer does neither:
 hand each rank its own rows.
 
-Saving: the Trainer writes the model from rank 0 alone, which would hold only rank 0's experts.
-While it trains, the wrapped model's own ``save_pretrained`` writes nothing and ``on_save``
-(every rank) writes the whole model into the checkpoint folder with
-:func:`moebalance.save_pretrained` (collective); outside training it raises, naming that
-function. Resuming the Trainer from such a checkpoint (``resume_from_checkpoint``) is refused
-at ``on_train_begin`` on every rank: the Trainer's own load does not read experts by logical id
-and restores rank 0's optimizer state alone; load the folder with :func:`moebalance.from_pretrained`
-and start a new Trainer instead.
+Saving: the Trainer writes the model and the optimizer state from rank 0 alone, which hold only
+rank 0's experts. While it trains, the wrapped model's own ``save_pretrained`` writes nothing and
+``on_save`` (every rank, collective) writes, into the checkpoint folder, ``moebalance_state.pt``
+(every expert and its optimizer state by logical id, and the Rebalancer's counters and window)
+and, for a transformers model, the whole model with :func:`moebalance.save_pretrained`; outside
+training ``save_pretrained`` raises, naming that function. Resuming
+(``trainer.train(resume_from_checkpoint=...)``) works: after the Trainer's own load, which puts
+rank 0's experts and optimizer state on every rank, ``on_train_begin`` loads
+``moebalance_state.pt`` into the placement each rank holds now (any placement) and the
+Rebalancer carries on from the saved step. A checkpoint without that file is refused on every
+rank before training starts.
 
 Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, per step
 ``.../step_imbalance_before`` and ``.../step_imbalance_after``, ``moves``, ``bytes``,
@@ -50,11 +53,19 @@ except ImportError as exc:
 import os
 import sys
 
+import torch
+import torch.distributed as dist
+
+from ..collective_errors import flag_device
+from ..nn import checkpoint
 from ..nn.moe import clip_grad_norm_
 from ..topology import Topology
 from .loop import Rebalancer, logged_figures, torch_optimizer
 
 __all__ = ["RebalanceTrainerCallback"]
+
+# Written by on_save into each checkpoint folder, read back when the Trainer resumes from it.
+STATE_FILE = "moebalance_state.pt"
 
 
 class RebalanceTrainerCallback(TrainerCallback):
@@ -86,33 +97,53 @@ class RebalanceTrainerCallback(TrainerCallback):
             callbacks.insert(flow[0] + 1 if flow else 0, self)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.rebalancer is None and state.global_step > 0:
-            # The Trainer restored its state from a checkpoint and loaded it into the model
-            # itself: that load does not read experts saved by logical id, and the optimizer
-            # state it restores is rank 0's alone. Every rank sees the same step: all refuse.
-            raise ValueError(
-                f"resuming transformers.Trainer from a checkpoint (step {state.global_step}) is "
-                "not supported for an expert-parallel model: its experts and their optimizer "
-                "state are per rank; load the checkpoint's model with mb.from_pretrained(folder, "
-                f"topology) and train it with a new Trainer (resume_from_checkpoint=None)")
+        # A resumed Trainer has loaded rank 0's experts and optimizer state on every rank.
+        saved = self._saved_state(args, state) if state.global_step > 0 else None
         self._run_before_reporters()
-        if self.rebalancer is None:
-            if model is None:
-                raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it "
-                                 "inside transformers.Trainer(callbacks=[...])")
-            model = getattr(model, "module", model)       # under a DDP wrapper
+        if model is None:
+            raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it "
+                             "inside transformers.Trainer(callbacks=[...])")
+        model = getattr(model, "module", model)       # under a DDP wrapper
+        optimizer = torch_optimizer(optimizer)
+        if self.rebalancer is None or model is not self._model or saved is not None:
             self._model = model
             # The Trainer clips each rank by its own norm, which splits replicas: take the
             # clipping over and clip by the global norm in on_pre_optimizer_step.
             if args.max_grad_norm:
                 self.max_grad_norm, args.max_grad_norm = float(args.max_grad_norm), 0.0
-            self.rebalancer = Rebalancer(model, self.topology, torch_optimizer(optimizer),
-                                         self.every, **self.options)
-            self.rebalancer.resume(int(state.global_step))
+            if saved is not None:
+                checkpoint.load_expert_state_dict(model, saved["experts"], optimizer)
+            self.rebalancer = Rebalancer(model, self.topology, optimizer, self.every,
+                                         **self.options)
+            self._logged = 0
+            if saved is not None and saved.get("rebalancer"):
+                self.rebalancer.load_state_dict(saved["rebalancer"])
+                self._logged = len(self.rebalancer.history)
+            else:
+                self.rebalancer.resume(int(state.global_step))
         guard = getattr(self._model, "save_pretrained", None)
         if hasattr(guard, "redirected"):
             guard.redirected = True            # on_save writes every expert instead
         return control
+
+    def _saved_state(self, args, state) -> dict:
+        """What on_save wrote into the checkpoint folder the Trainer resumed from; every rank
+        raises the same error when a rank lacks it."""
+        folder = _resumed_folder(args, state)
+        path = os.path.join(folder, STATE_FILE)
+        found = os.path.isfile(path)
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(found)], device=flag_device(None))   # NCCL: on the GPU
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            found = bool(flag.item())
+        if not found:
+            raise ValueError(
+                f"resuming transformers.Trainer at step {state.global_step} needs {STATE_FILE} "
+                f"(every expert and its optimizer state, written by RebalanceTrainerCallback's "
+                f"on_save) in {folder}, on every rank: resume from a checkpoint saved with the "
+                f"callback, or load the model with mb.from_pretrained(folder, topology) and start "
+                f"a new Trainer (resume_from_checkpoint=None)")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.max_grad_norm and self._model is not None:
@@ -136,14 +167,27 @@ class RebalanceTrainerCallback(TrainerCallback):
             self._pending_logs = {}
         return control
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
         if self._model is not None:
             if self.rebalancer is not None:
                 self.rebalancer.finish()
-            from .wrap import save_pretrained
+            from .wrap import write_pretrained
 
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            save_pretrained(self._model, folder)           # every rank: every expert
+            optimizer = torch_optimizer(optimizer) if optimizer is not None else (
+                self.rebalancer.optimizer if self.rebalancer is not None else None)
+            experts = checkpoint.expert_state_dict(self._model, optimizer)   # every rank
+            if args.should_save:
+                os.makedirs(folder, exist_ok=True)
+                saved = {"experts": experts, "step": int(state.global_step),
+                         "rebalancer": (self.rebalancer.state_dict()
+                                        if self.rebalancer is not None else None)}
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+                tmp = os.path.join(folder, f"{STATE_FILE}.tmp{rank}")
+                torch.save(saved, tmp)
+                os.replace(tmp, os.path.join(folder, STATE_FILE))   # never half a file
+            if getattr(self._model, "config", None) is not None:      # a transformers model
+                write_pretrained(self._model, folder, experts["model"])   # rank 0 writes
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -153,3 +197,18 @@ class RebalanceTrainerCallback(TrainerCallback):
         if hasattr(guard, "redirected"):
             guard.redirected = False
         return control
+
+
+def _resumed_folder(args, state) -> str:
+    """The checkpoint folder the Trainer resumed from: its ``resume_from_checkpoint`` (a local
+    of the Trainer's training loop, which does not pass it to callbacks), else
+    ``output_dir/checkpoint-<step>``, where the Trainer saves."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            break
+        value = frame.f_locals.get("resume_from_checkpoint")
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

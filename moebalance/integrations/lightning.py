@@ -9,9 +9,11 @@ Seams: ``on_train_start`` builds the :class:`~moebalance.Rebalancer` over the Li
 the trainer's first optimizer; ``on_before_optimizer_step`` marks a batch that steps (with
 gradient accumulation only the last micro-batch does), and ``on_train_batch_end``, after that
 step, calls ``Rebalancer.step()``. ``on_save_checkpoint`` finishes a migration in flight and
-stores the experts by logical id (``checkpoint["moebalance"]``), which ``on_load_checkpoint``
-loads into whatever placement the model has. Replica gradients are final before Lightning clips
-them (they are reduced during backward).
+stores the experts and their optimizer state by logical id (``checkpoint["moebalance"]``):
+``on_load_checkpoint`` loads the experts into whatever placement the model has, and
+``on_train_start``, after Lightning restored the optimizer (under DDP, rank 0's state on every
+rank), puts every expert's optimizer state back, so ``fit(ckpt_path=...)`` resumes exactly.
+Replica gradients are final before Lightning clips them (they are reduced during backward).
 
 Strategies: ``strategy="ddp"`` (``devices=N``, launched by Lightning or by torchrun) and a
 single device. At ``setup`` the callback lists the expert slots in the LightningModule's DDP
@@ -68,6 +70,7 @@ class RebalanceCallback(Callback):
         self.rebalancer: Rebalancer | None = None
         self._stepped = False
         self._restored: dict | None = None
+        self._saved_experts: dict | None = None     # from a checkpoint, until the optimizer exists
 
     def _check_strategy(self, trainer) -> None:
         strategy = trainer.strategy
@@ -89,6 +92,13 @@ class RebalanceCallback(Callback):
         pl_module.log_dict(logged_figures(report), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self._saved_experts is not None:
+            # Lightning restored the optimizer from the checkpoint after on_load_checkpoint:
+            # under DDP that is rank 0's state on every rank, so every expert's state is put
+            # back by logical id now.
+            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+            checkpoint.load_expert_state_dict(pl_module, self._saved_experts, optimizer)
+            self._saved_experts = None
         if self.rebalancer is None:
             optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
             self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every,
@@ -128,8 +138,11 @@ class RebalanceCallback(Callback):
 
     def on_load_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
         if "moebalance" in ckpt:
-            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
-            checkpoint.load_expert_state_dict(pl_module, ckpt["moebalance"], optimizer)
+            # The weights now (validate/test/predict from ckpt_path need no more); the
+            # optimizer state, which Lightning restores later, at on_train_start.
+            checkpoint.load_expert_state_dict(pl_module, ckpt["moebalance"])
+            if ckpt["moebalance"].get("optimizer") is not None:
+                self._saved_experts = ckpt["moebalance"]
 
     def state_dict(self) -> dict:
         return {} if self.rebalancer is None else self.rebalancer.state_dict()

@@ -326,7 +326,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     wrapped model's. Needs ``type(model)(model.config)`` to build the model, as every
     transformers ``PreTrainedModel`` does.
     """
-    state = unwrap_state_dict(model)
+    return _plain_model(model, unwrap_state_dict(model))
+
+
+def _plain_model(model: nn.Module, state: dict) -> nn.Module:
+    """The plain transformers model of ``model``'s class holding ``state`` (transformers'
+    layout, every expert by id)."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no transformers config; use "
@@ -340,7 +345,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None:
     """Write the wrapped model as a plain transformers checkpoint (``from_pretrained`` loads it),
     with the placement beside it (``moebalance_placement.npz``). Collective; rank 0 writes."""
-    plain = unwrap(model)
+    write_pretrained(model, path, unwrap_state_dict(model), **kwargs)
+
+
+def write_pretrained(model: nn.Module, path: str | os.PathLike, state: dict, **kwargs) -> None:
+    """:func:`save_pretrained` of a state already gathered (``unwrap_state_dict(model)``, or the
+    ``"model"`` entry of :func:`moebalance.nn.checkpoint.expert_state_dict`). Collective."""
+    plain = _plain_model(model, state)
     placement = current_placement(model)
     kwargs.pop("state_dict", None)      # a framework's dict of the slots: the plain one is written
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -159,14 +159,31 @@ class ExpertSlots(nn.Module):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def get_extra_state(self) -> dict:
+    def get_extra_state(self) -> torch.Tensor:
+        """The placement row this rank's slot rows were saved under, for a per-rank checkpoint:
+        one float64 tensor ``[layer, num_experts, S, phy2log[layer] (S), share[layer] (S),
+        slot_device (S)]`` (a tensor, so safetensors files, as the Hugging Face Trainer
+        writes, can hold it; ids are exact in float64)."""
         p = self.placement
-        return {"layer": self.layer, "phy2log": p.phy2log[self.layer].tolist(),
-                "share": p.share[self.layer].tolist(), "slot_device": p.slot_device.tolist(),
-                "num_experts": p.num_experts}
+        head = [float(self.layer), float(p.num_experts), float(p.num_slots)]
+        return torch.from_numpy(np.concatenate([
+            np.asarray(head), p.phy2log[self.layer].astype(np.float64), p.share[self.layer],
+            p.slot_device.astype(np.float64)]))
 
-    def set_extra_state(self, state: dict) -> None:
-        """Resume the placement row a per-rank checkpoint was saved under (its rows came along)."""
+    def set_extra_state(self, state) -> None:
+        """Resume the placement row a per-rank checkpoint was saved under (its rows came along).
+        Takes :meth:`get_extra_state`'s tensor, or the dict earlier versions saved."""
+        if isinstance(state, torch.Tensor):
+            values = state.detach().to("cpu", torch.float64).numpy()
+            S = int(values[2]) if values.size >= 3 else -1
+            if values.size != 3 + 3 * S:
+                raise ValueError(f"the extra state of layer {self.layer} holds {values.size} "
+                                 f"numbers, not a placement row; load this checkpoint by logical "
+                                 f"expert with moebalance.nn.checkpoint.load_expert_state_dict")
+            state = {"layer": int(values[0]), "num_experts": int(values[1]),
+                     "phy2log": values[3:3 + S].astype(np.int64).tolist(),
+                     "share": values[3 + S:3 + 2 * S].tolist(),
+                     "slot_device": values[3 + 2 * S:].astype(np.int64).tolist()}
         current = self.placement
         if (state.get("num_experts") != current.num_experts
                 or state.get("slot_device") != current.slot_device.tolist()):
