@@ -173,6 +173,50 @@ def hf_trainer_resumes_from_its_own_checkpoint():
         torch.testing.assert_close(resumed_state[key], value, rtol=1e-12, atol=1e-14)
 
 
+def hf_trainer_loads_the_best_checkpoints_experts_at_end():
+    """``load_best_model_at_end``: the Trainer loads the best checkpoint's dense weights; the
+    callback loads its experts, so the model is that checkpoint's, not a mix of two steps."""
+    import transformers
+
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+    from moebalance.integrations.wrap import unwrap_state_dict
+    from moebalance.lab.models import tiny_hf_moe
+
+    rank = dist.get_rank()
+    folders = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folders, group_src=0)
+    model = mb.wrap(tiny_hf_moe("qwen3_moe", experts=8, seed=0).double(), TOPOLOGY)
+    # The highest eval loss is "best": the first checkpoint, not the last.
+    args = transformers.TrainingArguments(
+        output_dir=folders[0], max_steps=4, per_device_train_batch_size=BATCH, learning_rate=3e-2,
+        report_to=[], save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+        logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        train_sampling_strategy="sequential", average_tokens_across_devices=False)
+    data = TextBatches(SEQ, BATCH, WORLD, rank, seed=4)
+    rows = [{"input_ids": row, "labels": row} for step in range(4) for row in data(step)]
+    held_out = [{"input_ids": row, "labels": row}
+                for row in TextBatches(SEQ, BATCH, WORLD, rank, seed=9)(0)]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                   eval_dataset=held_out,
+                                   callbacks=[RebalanceTrainerCallback(TOPOLOGY, every=2)])
+    try:
+        trainer.train()
+        best = trainer.state.best_model_checkpoint
+        assert best is not None and best.endswith("checkpoint-2"), best
+        saved = torch.load(f"{best}/moebalance_state.pt", weights_only=True)["experts"]["model"]
+        now = unwrap_state_dict(model)
+        experts = [key for key in now if ".experts." in key]
+        assert experts and all(key in saved for key in experts)
+        for key, value in now.items():
+            if key in saved and value.is_floating_point():
+                torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folders[0])
+
+
 def lightning_ddp_resumes_from_its_checkpoint():
     """``fit(ckpt_path=...)`` under ``strategy="ddp"``: Lightning writes rank 0's checkpoint and
     restores its optimizer state on every rank; the callback puts every rank's experts and their
@@ -267,7 +311,8 @@ CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_callback_drives_a_migration)
 if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):
-    CASES += [hf_trainer_callback_drives_a_migration, hf_trainer_resumes_from_its_own_checkpoint]
+    CASES += [hf_trainer_callback_drives_a_migration, hf_trainer_resumes_from_its_own_checkpoint,
+              hf_trainer_loads_the_best_checkpoints_experts_at_end]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_ddp_resumes_from_its_checkpoint)   # last: it joins Lightning's DDP
 

@@ -31,7 +31,8 @@ training ``save_pretrained`` raises, naming that function. Resuming
 rank 0's experts and optimizer state on every rank, ``on_train_begin`` loads
 ``moebalance_state.pt`` into the placement each rank holds now (any placement) and the
 Rebalancer carries on from the saved step. A checkpoint without that file is refused on every
-rank before training starts.
+rank before training starts. With ``load_best_model_at_end`` the Trainer loads the best
+checkpoint's dense weights only; ``on_train_end`` loads its experts from the same file.
 
 Metrics: each re-plan's figures (``moebalance/imbalance_before``, ``.../after``, per step
 ``.../step_imbalance_before`` and ``.../step_imbalance_after``, ``moves``, ``bytes``,
@@ -98,7 +99,9 @@ class RebalanceTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         # A resumed Trainer has loaded rank 0's experts and optimizer state on every rank.
-        saved = self._saved_state(args, state) if state.global_step > 0 else None
+        saved = (self._saved_state(_resumed_folder(args, state), "resuming transformers.Trainer "
+                                   f"at step {state.global_step}")
+                 if state.global_step > 0 else None)
         self._run_before_reporters()
         if model is None:
             raise ValueError("RebalanceTrainerCallback needs the Trainer's model; use it "
@@ -126,10 +129,10 @@ class RebalanceTrainerCallback(TrainerCallback):
             guard.redirected = True            # on_save writes every expert instead
         return control
 
-    def _saved_state(self, args, state) -> dict:
-        """What on_save wrote into the checkpoint folder the Trainer resumed from; every rank
-        raises the same error when a rank lacks it."""
-        folder = _resumed_folder(args, state)
+    @staticmethod
+    def _saved_state(folder: str, doing: str) -> dict:
+        """What on_save wrote into ``folder``; every rank raises the same error, saying what it
+        was ``doing``, when a rank lacks it."""
         path = os.path.join(folder, STATE_FILE)
         found = os.path.isfile(path)
         if dist.is_available() and dist.is_initialized():
@@ -138,11 +141,11 @@ class RebalanceTrainerCallback(TrainerCallback):
             found = bool(flag.item())
         if not found:
             raise ValueError(
-                f"resuming transformers.Trainer at step {state.global_step} needs {STATE_FILE} "
-                f"(every expert and its optimizer state, written by RebalanceTrainerCallback's "
-                f"on_save) in {folder}, on every rank: resume from a checkpoint saved with the "
-                f"callback, or load the model with mb.from_pretrained(folder, topology) and start "
-                f"a new Trainer (resume_from_checkpoint=None)")
+                f"{doing} needs {STATE_FILE} (every expert and its optimizer state, written by "
+                f"RebalanceTrainerCallback's on_save) in {folder}, on every rank: use a "
+                f"checkpoint saved with the callback, or load the model with "
+                f"mb.from_pretrained(folder, topology) and start a new Trainer "
+                f"(resume_from_checkpoint=None)")
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -193,6 +196,12 @@ class RebalanceTrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.rebalancer is not None:
             self.rebalancer.finish()
+        best = state.best_model_checkpoint
+        if args.load_best_model_at_end and best is not None and self._model is not None:
+            # The Trainer loaded the best checkpoint's dense weights but not the experts (they
+            # are saved by logical id): load them, or the model mixes two steps.
+            saved = self._saved_state(best, "load_best_model_at_end")
+            checkpoint.load_expert_state_dict(self._model, saved["experts"])
         guard = getattr(self._model, "save_pretrained", None)
         if hasattr(guard, "redirected"):
             guard.redirected = False
