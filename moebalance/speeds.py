@@ -196,6 +196,7 @@ class SpeedTracker:
         self.speed: np.ndarray | None = None
         self.expert_s: float | None = None
         self.history: list[np.ndarray] = []
+        self._raw: deque = deque(maxlen=self.window)   # the last steps' unsmoothed [G] speeds
         self.decisions: list[dict] = []
         self.steps = 0
         self._local: list[tuple[float, float]] = []    # this rank's (work, seconds) per step
@@ -257,6 +258,7 @@ class SpeedTracker:
                 self.speed = raw
             else:
                 self.speed = np.where(ok, (1 - a) * self.speed + a * raw, self.speed)
+            self._raw.append(np.where(ok, raw, self.speed))
             self.history.append(self.speed / self.speed.mean())
 
     def relative(self) -> np.ndarray:
@@ -265,6 +267,20 @@ class SpeedTracker:
             raise ValueError("no speeds measured yet: call step() for at least `every` steps of "
                              "training with the tracker attached")
         return self.speed / self.speed.max()
+
+    def planning_speeds(self) -> np.ndarray:
+        """[G] the speeds a re-plan is for, over the fastest: with ``window`` >= 2 the mean of
+        the last ``window`` steps' unsmoothed speeds, else the smoothed ones (:meth:`relative`).
+
+        When the speeds moved, each of the window's steps showed the move (:meth:`moved`), so
+        their plain mean measures the new level; the exponential average still lags behind a
+        step change (after 5 steps at smoothing 0.3 it has gone 83% of the way: a rank slowed to
+        0.5 reads 0.58), and a plan for that speed leaves the slow rank overloaded by the rest,
+        which is then too small a change to trigger another re-plan."""
+        if self.window < 2 or len(self._raw) < self.window:
+            return self.relative()
+        mean = np.mean(np.stack(self._raw), axis=0)
+        return mean / mean.max()
 
     def moved(self, reference_G) -> bool:
         """Whether the smoothed relative speeds differ from ``reference_G [G]`` (e.g. the
@@ -292,7 +308,7 @@ class SpeedTracker:
         if not self.moved(topology.speed):
             return None
         measured = Topology([Device(speed=float(s), slots=d.slots, node=d.node)
-                             for s, d in zip(self.relative(), topology.devices)])
+                             for s, d in zip(self.planning_speeds(), topology.devices)])
         loads = rebalancer._loads()
         current = current_placement(rebalancer.model)
         new = plan(loads, measured, previous=current, max_moves=rebalancer.max_moves,
@@ -328,12 +344,14 @@ class SpeedTracker:
 
     def state_dict(self) -> dict:
         """What a resumed job needs to continue: the step count, smoothed speeds, the slowest
-        rank's expert seconds, the last ``window`` relative speeds (the noise control reads
-        them) and the decisions. Timings not yet exchanged are rank-local and left out."""
+        rank's expert seconds, the last ``window`` relative and unsmoothed speeds (the noise
+        control and the re-plan read them) and the decisions. Timings not yet exchanged are
+        rank-local and left out."""
         return {"steps": self.steps,
                 "speed": None if self.speed is None else self.speed.tolist(),
                 "expert_s": self.expert_s,
                 "history": [h.tolist() for h in self.history[-self.window:]],
+                "raw": [r.tolist() for r in self._raw],
                 "decisions": [dict(d) for d in self.decisions]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -343,6 +361,8 @@ class SpeedTracker:
         self.speed = None if speed is None else np.asarray(speed, dtype=np.float64)
         self.expert_s = state.get("expert_s")
         self.history = [np.asarray(h, dtype=np.float64) for h in state.get("history", [])]
+        self._raw = deque((np.asarray(r, dtype=np.float64) for r in state.get("raw", [])),
+                          maxlen=self.window)
         self.decisions = [dict(d) for d in state.get("decisions", [])]
         self._local = []
 

@@ -68,6 +68,20 @@ def test_noise_control_window_needs_a_lasting_change():
     assert tracker.moved(np.ones(4))
 
 
+def test_a_replan_after_a_lasting_change_is_for_the_new_speeds_not_the_lagging_average():
+    # rank 1 halves its speed at step 10; the window of 3 steps confirms it by step 14
+    tracker = SpeedTracker(smoothing=0.3, min_change=0.15, window=3)
+    seconds = [[1.0] * 15, [1.0] * 10 + [2.0] * 5]
+    tracker.update(figures(np.ones((2, 15)), seconds))
+    assert tracker.moved(np.ones(2))
+    assert tracker.relative()[1] > 0.55            # the smoothed speed is still on its way
+    assert_close(tracker.planning_speeds(), np.array([1.0, 0.5]))
+    # no confirmation window: the smoothed speeds are what a re-plan uses
+    alone = SpeedTracker(smoothing=0.3)
+    alone.update(figures(np.ones((2, 15)), seconds))
+    assert_close(alone.planning_speeds(), alone.relative())
+
+
 def test_without_noise_control_any_change_counts():
     tracker = SpeedTracker(smoothing=1.0)
     tracker.update(figures(np.ones((2, 1)), [[1.0], [1.0]]))
@@ -243,6 +257,7 @@ def test_tracker_state_round_trip_continues_the_same_figures():
     assert back.steps == 6 and back.expert_s == tracker.expert_s
     assert_close(back.speed, tracker.speed)
     assert len(back.history) == 2 and back.moved([1.0, 1.0]) == tracker.moved([1.0, 1.0])
+    assert_close(back.planning_speeds(), tracker.planning_speeds())
     more = figures[:, -2:]
     tracker.update(more)
     back.update(more)

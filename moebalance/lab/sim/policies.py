@@ -217,7 +217,7 @@ class MoebalancePeriodic(_Periodic):
         if not self.tracker.moved(self.topology.speed):
             return False
         self.topology = Topology([Device(speed=float(s), slots=d.slots, node=d.node)
-                                  for s, d in zip(self.tracker.relative(),
+                                  for s, d in zip(self.tracker.planning_speeds(),
                                                   self.nominal.devices)])
         return True
 
