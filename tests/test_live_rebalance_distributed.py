@@ -120,7 +120,7 @@ def placements_for(seed: int):
 _RUNS: dict = {}
 
 
-def run(kind: str, dtype, schedule: dict, steps: int = 30, max_bytes=None):
+def run(kind: str, dtype, schedule: dict, steps: int = 16, max_bytes=None):
     """Train ``steps`` steps; after step s in ``schedule`` apply schedule[s] without blocking.
 
     Returns (losses, logical state of model and optimizer at the end, migration reports).
@@ -146,8 +146,10 @@ def run(kind: str, dtype, schedule: dict, steps: int = 30, max_bytes=None):
     return result
 
 
-SCHEDULE = {4: placements_for(1), 9: placements_for(2), 15: placements_for(3),
-            22: placements_for(4)}
+# Four placements, three steps apart: each migration (one layer per step when bytes in flight
+# are bounded) lands before the next starts, and four steps train on the last one.
+SCHEDULE = {2: placements_for(1), 5: placements_for(2), 8: placements_for(3),
+            11: placements_for(4)}
 
 
 def compare_states(a: dict, b: dict, rtol: float, atol: float):
