@@ -204,37 +204,50 @@ def liquid_ring(order, r, n_single, dev, out_p):
 
 @kernel
 def unique_on_devices(slot_offsets, phy2log):
-    """Swap replicas until no device holds one expert twice: a second copy trades places
-    with a slot of another device that holds neither expert."""
+    """Move replicas until no device holds one expert twice: a second copy trades places with a
+    slot of another device that holds neither expert; failing that (devices with nearly every
+    expert, where the ring laid both replicas of a pair side by side) it moves to a free slot of
+    a device without it, or else its slot is freed (the singles and valves that follow fill
+    it). Then every device's occupied slots come first, as the singles' placement expects."""
     G = slot_offsets.shape[0] - 1
     for g in range(G):
-        for a in range(slot_offsets[g], slot_offsets[g + 1]):
+        lo, hi = slot_offsets[g], slot_offsets[g + 1]
+        for a in range(lo, hi):
             e = phy2log[a]
-            if e < 0:
+            if e < 0 or not holds_expert(phy2log, lo, a, e):
                 continue
-            twice = False
-            for b in range(slot_offsets[g], a):
-                if phy2log[b] == e:
-                    twice = True
-            if not twice:
-                continue
+            done = False
             for h in range(G):
-                if h == g:
+                if h == g or holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
                     continue
-                done = False
                 for c in range(slot_offsets[h], slot_offsets[h + 1]):
                     f = phy2log[c]
-                    if f < 0 or f == e:
-                        continue
-                    if holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
+                    if f >= 0 and not holds_expert(phy2log, lo, hi, f):
+                        phy2log[a], phy2log[c] = f, e
+                        done = True
                         break
-                    if holds_expert(phy2log, slot_offsets[g], slot_offsets[g + 1], f):
-                        continue
-                    phy2log[a], phy2log[c] = f, e
-                    done = True
-                    break
                 if done:
                     break
+            if not done:
+                for h in range(G):
+                    if h == g or holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
+                        continue
+                    for c in range(slot_offsets[h], slot_offsets[h + 1]):
+                        if phy2log[c] < 0:
+                            phy2log[c] = e
+                            done = True
+                            break
+                    if done:
+                        break
+                phy2log[a] = -1
+    for g in range(G):
+        k = slot_offsets[g]
+        for s in range(slot_offsets[g], slot_offsets[g + 1]):
+            if phy2log[s] >= 0:
+                phy2log[k] = phy2log[s]
+                k += 1
+        for s in range(k, slot_offsets[g + 1]):
+            phy2log[s] = -1
 
 
 @kernel
