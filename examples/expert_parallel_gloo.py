@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import moebalance as mb
-from moebalance.launch import launch
+from moebalance.launch import launch, require_world_size
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 32, 64, 8, 2, 256
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
@@ -30,10 +30,7 @@ TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3
 
 
 def worker(rank: int, world_size: int, steps: int) -> None:
-    if world_size != TOPOLOGY.num_devices:
-        raise ValueError(f"this example plans for {TOPOLOGY.num_devices} devices, one per rank; "
-                         f"it runs on {world_size} ranks: start it with --nproc-per-node "
-                         f"{TOPOLOGY.num_devices}")
+    require_world_size(world_size, TOPOLOGY.num_devices)
     # First placement from a guess (uniform loads); every rank computes the same one.
     placement = mb.plan(np.ones((1, EXPERTS)), TOPOLOGY)
     moe = mb.ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, placement, seed=0,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import moebalance as mb
 from moebalance.integrations.wrap import unwrap_state_dict
 from moebalance.lab.models import TextBatches, tiny_hf_moe
-from moebalance.launch import launch, under_torchrun
+from moebalance.launch import launch, require_world_size, under_torchrun
 from moebalance.nn.slots import moe_layers
 
 TOPOLOGY = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=[3, 3, 3, 3],
@@ -172,8 +172,7 @@ def replicas_identical(model) -> bool:
 
 
 def worker(rank, world, family, loops, steps, every, path):
-    if world != TOPOLOGY.num_devices:
-        raise SystemExit(f"run on {TOPOLOGY.num_devices} ranks (got {world})")
+    require_world_size(world, TOPOLOGY.num_devices)
     how = "torchrun" if under_torchrun() else "spawned"
     results, reference = {}, None
     for name in loops:       # Lightning last: it leaves LOCAL_RANK set in spawned ranks

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import moebalance as mb
 from moebalance.lab.models import TextBatches, tiny_hf_moe
-from moebalance.launch import launch
+from moebalance.launch import launch, require_world_size
 
 from _step_imbalance import StepImbalance
 
@@ -33,6 +33,7 @@ SEQ, BATCH = 64, 4
 
 
 def worker(rank: int, world: int, steps: int, every: int, family: str, out: str | None) -> None:
+    require_world_size(world, TOPOLOGY.num_devices)
     import transformers
 
     from moebalance.integrations.hf import RebalanceTrainerCallback

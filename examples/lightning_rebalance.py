@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import moebalance as mb
 from moebalance.lab.models import TextBatches, tiny_hf_moe
-from moebalance.launch import launch, under_torchrun
+from moebalance.launch import launch, require_world_size, under_torchrun
 
 from _step_imbalance import StepImbalance
 
@@ -34,6 +34,7 @@ SEQ, BATCH = 64, 4
 
 
 def worker(rank: int, world: int, steps: int, every: int, family: str) -> None:
+    require_world_size(world, TOPOLOGY.num_devices)
     import lightning as L
 
     from moebalance.integrations.lightning import RebalanceCallback

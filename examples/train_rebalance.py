@@ -33,7 +33,7 @@ import torch.distributed as dist
 import moebalance as mb
 from moebalance.frameworks import active_ddp
 from moebalance.lab.models import MoELanguageModel, TextBatches, lm_loss
-from moebalance.launch import launch, under_torchrun
+from moebalance.launch import launch, require_world_size, under_torchrun
 from moebalance.nn.checkpoint import expert_state_dict
 from moebalance.nn.slots import moe_layers
 
@@ -259,9 +259,7 @@ LOOPS = {"plain": plain_loop, "ddp": ddp_loop, "lightning": lightning_loop, "hf"
 
 
 def worker(rank: int, world: int, loop: str, steps: int, every: int, out: str) -> None:
-    if world != TOPOLOGY.num_devices:
-        raise SystemExit(f"this example describes {TOPOLOGY.num_devices} devices; run it on "
-                         f"{TOPOLOGY.num_devices} ranks (got {world})")
+    require_world_size(world, TOPOLOGY.num_devices)
     # "all": every loop in turn in this one group (Lightning last: it leaves LOCAL_RANK set).
     names = ["plain", "ddp", "hf", "lightning"] if loop == "all" else [loop]
     reference = None

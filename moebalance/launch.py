@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from ._check import positive_int
 
-__all__ = ["launch", "under_torchrun"]
+__all__ = ["launch", "under_torchrun", "require_world_size"]
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 
@@ -66,6 +66,16 @@ def _run(rank: int, world_size: int, init_method: str | None, backend: str, time
         # to interpreter exit, gloo's threads can be torn down under them (an abort at exit).
         gc.collect()
         dist.destroy_process_group()
+
+
+def require_world_size(world_size: int, needed: int) -> None:
+    """Stop this rank with one line unless the job runs on ``needed`` ranks (a script whose
+    topology describes one device per rank): call it first thing in ``fn``, before the
+    imports and collectives a wrong world size would fail in."""
+    if world_size != needed:
+        raise SystemExit(f"this job describes {needed} devices, one per rank, and runs on "
+                         f"{world_size} ranks: start it with torchrun --nproc-per-node {needed}, "
+                         f"or run it directly (it spawns {needed} ranks)")
 
 
 def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str = "gloo",

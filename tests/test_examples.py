@@ -90,6 +90,15 @@ def test_expert_parallel_example_under_torchrun_names_the_ranks_it_needs(launche
     assert "--nproc-per-node 4" in err
 
 
+def test_require_world_size_stops_each_rank_with_one_line_naming_the_command():
+    from moebalance.launch import require_world_size
+
+    require_world_size(4, 4)
+    with pytest.raises(SystemExit, match=r"^this job describes 4 devices, one per rank, and runs "
+                                         r"on 2 ranks: start it with torchrun --nproc-per-node 4"):
+        require_world_size(2, 4)
+
+
 @pytest.mark.distributed
 @needs_hf
 @needs_lightning
