@@ -92,15 +92,14 @@ class RebalanceCallback(Callback):
         pl_module.log_dict(logged_figures(report), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         if self._saved_experts is not None:
             # Lightning restored the optimizer from the checkpoint after on_load_checkpoint:
             # under DDP that is rank 0's state on every rank, so every expert's state is put
             # back by logical id now.
-            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
             checkpoint.load_expert_state_dict(pl_module, self._saved_experts, optimizer)
             self._saved_experts = None
         if self.rebalancer is None:
-            optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
             self.rebalancer = Rebalancer(pl_module, self.topology, optimizer, self.every,
                                          **self.options)
             if self._restored is not None:

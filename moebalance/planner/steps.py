@@ -216,29 +216,26 @@ def unique_on_devices(slot_offsets, phy2log):
             e = phy2log[a]
             if e < 0 or not holds_expert(phy2log, lo, a, e):
                 continue
+            # a swap with the first device that can take e; else e's first free slot there
             done = False
+            free = -1
             for h in range(G):
                 if h == g or holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
                     continue
                 for c in range(slot_offsets[h], slot_offsets[h + 1]):
                     f = phy2log[c]
-                    if f >= 0 and not holds_expert(phy2log, lo, hi, f):
+                    if f < 0:
+                        if free < 0:
+                            free = c
+                    elif not holds_expert(phy2log, lo, hi, f):
                         phy2log[a], phy2log[c] = f, e
                         done = True
                         break
                 if done:
                     break
             if not done:
-                for h in range(G):
-                    if h == g or holds_expert(phy2log, slot_offsets[h], slot_offsets[h + 1], e):
-                        continue
-                    for c in range(slot_offsets[h], slot_offsets[h + 1]):
-                        if phy2log[c] < 0:
-                            phy2log[c] = e
-                            done = True
-                            break
-                    if done:
-                        break
+                if free >= 0:
+                    phy2log[free] = e
                 phy2log[a] = -1
     for g in range(G):
         k = slot_offsets[g]
