@@ -446,3 +446,81 @@ def test_kernel_lookup_follows_the_chosen_planner_backend(isolated_backends):
         assert _jit.kernels().plan_fresh is not fresh.plan_fresh
     with pytest.raises(ValueError, match="backend must be 'numba', 'numpy' or None"):
         _jit.kernels("cuda")
+
+
+# -- the repair's searches against plain scans -----------------------------------------------------
+
+
+def _plain_top_room(room, victim, tiny, need_victim, count):
+    """Most room first, lower index on ties: a stable sort of the eligible devices."""
+    eligible = [g for g in range(len(room))
+                if room[g] > tiny and (victim[g] >= 0 or not need_victim)]
+    return sorted(eligible, key=lambda g: -room[g])[:count]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_top_room_picks_the_devices_with_most_room(rng, backend):
+    from moebalance.planner import _jit, repair
+
+    k = _jit.kernels(backend)
+    for G in (1, 3, 8, 9, 40):
+        for _ in range(20):
+            # rounded rooms, so that ties occur
+            room = np.round(rng.normal(0.0, 2.0, G))
+            victim = np.where(rng.random(G) < 0.6, rng.integers(0, 5, G), -1)
+            recv, partners = k.top_room(room, victim, 1e-9)
+            assert list(recv) == _plain_top_room(room, victim, 1e-9, True, repair.RECEIVERS)
+            assert list(partners) == _plain_top_room(room, victim, 1e-9, False, repair.RECEIVERS)
+
+
+def _plain_best_swap(w, topo, phy2log, share, room, partners, tiny):
+    """Every (a, b) in slot order, the strictly best estimated gain kept."""
+    best, best_gain = (-1, -1), tiny
+    devices = [list(range(topo.slot_offsets[g], topo.slot_offsets[g + 1]))
+               for g in range(topo.num_devices)]
+    for h in range(topo.num_devices):
+        over = -room[h]
+        if over <= tiny:
+            continue
+        for a in devices[h]:
+            pa = w[phy2log[a]] * share[a]
+            for d in partners:
+                if phy2log[a] in phy2log[devices[d]]:
+                    continue
+                for b in devices[d]:
+                    pb = w[phy2log[b]] * share[b]
+                    if pb >= pa or phy2log[b] in phy2log[devices[h]]:
+                        continue
+                    delta = pa - pb
+                    gain = over - max(0.0, over - delta) - max(0.0, delta - room[d])
+                    if gain > best_gain:
+                        best, best_gain = (a, b), gain
+    return best
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_best_swap_equals_a_plain_scan_of_every_pair(rng, backend):
+    from moebalance.planner import _jit, core
+
+    k = _jit.kernels(backend)
+    found = 0
+    for trial in range(40):
+        G = int(rng.integers(2, 12))
+        topo = mb.Topology.from_arrays(rng.choice([1.0, 0.5, 0.7], G), rng.integers(1, 5, G),
+                                       np.zeros(G, dtype=int))
+        E = int(rng.integers(int(topo.slots.max()), topo.num_slots + 1))
+        w = np.round(rng.lognormal(3.0, 1.0, E))  # rounded, so that ties occur
+        p = mb.plan(w * rng.lognormal(0.0, 0.5, E), topo)
+        phy2log, share = p.phy2log[0], p.share[0]
+        load = k.device_loads(w, core.devices_of(topo), phy2log, share)
+        room = w.sum() / topo.speed.sum() * topo.speed - load
+        tiny = 1e-12 * (load.sum() + 1.0)
+        victim = np.full(G, -1)
+        _, partners = k.top_room(room, victim, tiny)
+        holds = np.zeros(G * E, dtype=bool)
+        holds[topo.slot_device * E + phy2log] = True
+        got = k.best_swap(w, core.devices_of(topo), phy2log, share, room, partners, holds, tiny)
+        assert tuple(int(x) for x in got) == _plain_best_swap(w, topo, phy2log, share, room,
+                                                               partners, tiny), trial
+        found += got[0] >= 0
+    assert found >= 10  # the cases exercise the search, not only its empty answer

@@ -12,12 +12,17 @@ import numpy as np
 from ..topology import Topology
 from ._jit import kernel
 from .core import MAX_SWEEPS, MOVE_TRIALS, devices_of
-from .improve import on_device, replace_in_slot, replicas_of, restore, swap_slots
+from .improve import replace_in_slot, replicas_of, restore, swap_slots
 from .relabel import relabel_to
-from .shares import balance_shares, device_loads, max_times
+from .shares import balance_shares, device_loads, expert_slots, max_times
 
 # A repair step considers this many receiving devices (those with the most room).
 RECEIVERS = 8
+# Share sweeps of the re-balance that judges a repair step; the repaired layer gets the full
+# MAX_SWEEPS at the end. A step's re-balance rarely converges even in 16 sweeps (its changes
+# travel along chains of replicas); 4 judge the steps about as well and take a quarter of the
+# time (RESULTS.md, "Re-plans in under 50 ms").
+STEP_SWEEPS = 4
 
 
 @kernel
@@ -34,29 +39,41 @@ def total_excess(load, speed, target):
 
 
 @kernel
-def top_room(room, victim, tiny, need_victim):
-    """Up to ``RECEIVERS`` devices with room above ``tiny`` (and, with ``need_victim``, a
-    victim slot), the most room first."""
-    G = room.shape[0]
-    out = np.empty(RECEIVERS, dtype=np.int64)
-    taken = np.zeros(G, dtype=np.bool_)
-    n = 0
-    for _ in range(RECEIVERS):
-        best = -1
-        for g in range(G):
-            if not taken[g] and room[g] > tiny and (victim[g] >= 0 or not need_victim) and (
-                    best < 0 or room[g] > room[best]):
-                best = g
-        if best < 0:
-            break
-        taken[best] = True
-        out[n] = best
-        n += 1
-    return out[:n]
+def top_room(room, victim, tiny):
+    """The receivers of a replica and the partners of a swap, each up to ``RECEIVERS`` devices
+    with room above ``tiny``, the most room first (ties: the lower index first): receivers
+    only among devices with a victim slot. One pass over the devices: (receivers, partners)."""
+    recv = np.empty(RECEIVERS, dtype=np.int64)
+    partners = np.empty(RECEIVERS, dtype=np.int64)
+    n_recv = 0
+    n_part = 0
+    for g in range(room.shape[0]):
+        if room[g] <= tiny:
+            continue
+        n_part = insert_by_room(partners, n_part, g, room)
+        if victim[g] >= 0:
+            n_recv = insert_by_room(recv, n_recv, g, room)
+    return recv[:n_recv], partners[:n_part]
 
 
 @kernel
-def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps):
+def insert_by_room(top, n, g, room):
+    """Insert device ``g`` into ``top[:n]`` (most room first, at most ``top.shape[0]``, later
+    devices after earlier ones of equal room); returns the new length."""
+    j = n
+    while j > 0 and room[g] > room[top[j - 1]]:
+        j -= 1
+    if j >= top.shape[0]:
+        return n
+    last = min(n, top.shape[0] - 1)
+    for i in range(last, j, -1):
+        top[i] = top[i - 1]
+    top[j] = g
+    return min(n + 1, top.shape[0])
+
+
+@kernel
+def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps, holds):
     """One repair step on one layer, at most ``budget`` moves, that lowers :func:`total_excess`.
 
     A move: a piece of a device above the target gets a replica on one of the ``RECEIVERS``
@@ -64,10 +81,28 @@ def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps):
     device's smallest piece of an expert that has other replicas (its tokens go to them): the
     share slack of replicated experts. First a batch, the best move of every device above the
     target with one re-balance for all; failing that, single moves, the best ``MOVE_TRIALS``
-    estimates each with a full share re-balance; failing that (budget >= 2), the swap of two
-    pieces between a device above and one below that lowers the excess most. Returns the moves
-    made (0 when nothing lowers the excess).
+    estimates each with a share re-balance; failing that (budget >= 2), the swap of two pieces
+    between a device above and one below that lowers the excess most (:func:`best_swap`). Each
+    re-balance runs ``max_sweeps`` sweeps. Returns the moves made (0 when nothing lowers the
+    excess).
+
+    ``holds`` [G * E] bool, all False: scratch for which experts each device holds (a table,
+    not a scan of the device's slots per question); all False again on return.
     """
+    slot_device = dev.slot_device
+    E = w.shape[0]
+    held = phy2log.copy()
+    for s in range(held.shape[0]):
+        holds[slot_device[s] * E + held[s]] = True
+    made = repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds)
+    for s in range(held.shape[0]):
+        holds[slot_device[s] * E + held[s]] = False
+    return made
+
+
+@kernel
+def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds):
+    """:func:`repair_step` with ``holds`` filled in."""
     speed, slot_offsets, slot_device = dev.speed, dev.slot_offsets, dev.slot_device
     E = w.shape[0]
     G = speed.shape[0]
@@ -93,40 +128,52 @@ def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps):
                 victim[g] = s
     # receivers of a replica: the devices with a victim and the most room; partners of a swap:
     # the devices with the most room
-    recv = top_room(room, victim, tiny, need_victim=True)
-    partners = top_room(room, victim, tiny, need_victim=False)
+    recv, partners = top_room(room, victim, tiny)
     n_recv = recv.shape[0]
     if n_recv == 0 and (budget < 2 or partners.shape[0] == 0):
         return 0
     spill = np.zeros(n_recv, dtype=np.float64)
+    if n_recv > 0:
+        starts, members = expert_slots(phy2log, E)
+        for i in range(n_recv):
+            v = victim[recv[i]]
+            f = phy2log[v]
+            absorb = 0.0
+            for j in range(starts[f], starts[f + 1]):
+                s = members[j]
+                if s != v and room[slot_device[s]] > 0.0:
+                    absorb += room[slot_device[s]]
+            spill[i] = max(0.0, w[f] * share[v] - absorb)
+    # a move's estimate is at most room[d] + victim's piece - spill: receivers where that is
+    # not positive take no move (often all of them, and the step goes on to a swap)
+    live = np.empty(n_recv, dtype=np.int64)
+    n_live = 0
     for i in range(n_recv):
         v = victim[recv[i]]
-        f = phy2log[v]
-        absorb = 0.0
-        for s in range(phy2log.shape[0]):
-            if phy2log[s] == f and s != v and room[slot_device[s]] > 0.0:
-                absorb += room[slot_device[s]]
-        spill[i] = max(0.0, w[f] * share[v] - absorb)
+        if room[recv[i]] + w[phy2log[v]] * share[v] - spill[i] > tiny:
+            live[n_live] = i
+            n_live += 1
     S = phy2log.shape[0]
-    cand_est = np.empty(S * n_recv, dtype=np.float64)
-    cand_src = np.empty(S * n_recv, dtype=np.int64)
-    cand_dst = np.empty(S * n_recv, dtype=np.int64)
+    cand_est = np.empty(S * n_live, dtype=np.float64)
+    cand_src = np.empty(S * n_live, dtype=np.int64)
+    cand_dst = np.empty(S * n_live, dtype=np.int64)
     n_cand = 0
     cand_from = np.zeros(G + 1, dtype=np.int64)
     for h in range(G):
         cand_from[h] = n_cand
         over = -room[h]
-        if over <= tiny:
+        if over <= tiny or n_live == 0:
             continue
         for src in range(slot_offsets[h], slot_offsets[h + 1]):
             x = phy2log[src]
             p = w[x] * share[src]
             if p <= 0.0:
                 continue
-            for i in range(n_recv):
+            for j in range(n_live):
+                i = live[j]
                 d = recv[i]
                 v = victim[d]
-                if on_device(x, d, phy2log, slot_offsets):
+                if holds[d * E + x]:
                     continue
                 pv = w[phy2log[v]] * share[v]
                 est = min(over, p, room[d] + pv) - spill[i]
@@ -189,40 +236,75 @@ def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps):
             restore(phy2log, share, load, saved_p, saved_s, saved_l)
     if budget < 2:
         return 0
-    best_gain = tiny
-    best_a = -1
-    best_b = -1
-    for h in range(G):
-        over = -room[h]
-        if over <= tiny:
-            continue
-        for a in range(slot_offsets[h], slot_offsets[h + 1]):
-            ea = phy2log[a]
-            pa = w[ea] * share[a]
-            for i in range(partners.shape[0]):
-                d = partners[i]
-                if on_device(ea, d, phy2log, slot_offsets):
-                    continue
-                for b in range(slot_offsets[d], slot_offsets[d + 1]):
-                    eb = phy2log[b]
-                    pb = w[eb] * share[b]
-                    if pb >= pa or on_device(eb, h, phy2log, slot_offsets):
-                        continue
-                    delta = pa - pb
-                    # excess h sheds, less the excess d gains
-                    gain = over - max(0.0, over - delta) - max(0.0, delta - room[d])
-                    if gain > best_gain:
-                        best_gain = gain
-                        best_a = a
-                        best_b = b
-    if best_a < 0:
+    # then the swap that lowers the excess most (batches of swaps, one re-balance for all,
+    # cost about half as many moves again: the re-balance makes many of them needless)
+    a, b = best_swap(w, dev, phy2log, share, room, partners, holds, tiny)
+    if a < 0:
         return 0
-    swap_slots(w, dev, phy2log, share, load, best_a, best_b)
+    swap_slots(w, dev, phy2log, share, load, a, b)
     balance_shares(w, dev, phy2log, share, load, max_sweeps)
     if total_excess(load, speed, target) < before - tiny:
         return 2
     restore(phy2log, share, load, saved_p, saved_s, saved_l)
     return 0
+
+
+@kernel
+def best_swap(w, dev, phy2log, share, room, partners, holds, tiny):
+    """The swap of two pieces, one of a device above the target and a smaller one of a partner
+    (``partners``: devices with room, the most first), that lowers the total excess most
+    (estimated from ``room``): (slot a, slot b), or (-1, -1). Searched from the device most
+    above the target: a swap's gain is at most min(over, pa, room[d]), so the search stops
+    where that bound falls below the best found; ties go to the first in slot order, as in a
+    plain scan."""
+    slot_offsets = dev.slot_offsets
+    E = w.shape[0]
+    G = room.shape[0]
+    best_gain = tiny
+    best_a = -1
+    best_i = -1
+    best_b = -1
+    n_over = 0
+    over_dev = np.empty(G, dtype=np.int64)
+    for g in range(G):
+        if room[g] < -tiny:
+            over_dev[n_over] = g
+            n_over += 1
+    order = np.argsort(room[over_dev[:n_over]], kind="mergesort")
+    for k in range(n_over):
+        h = over_dev[order[k]]
+        over = -room[h]
+        if over < best_gain:
+            break
+        for a in range(slot_offsets[h], slot_offsets[h + 1]):
+            ea = phy2log[a]
+            pa = w[ea] * share[a]
+            if min(over, pa) < best_gain:
+                continue
+            for i in range(partners.shape[0]):
+                d = partners[i]
+                if room[d] < best_gain:
+                    break
+                if holds[d * E + ea]:
+                    continue
+                for b in range(slot_offsets[d], slot_offsets[d + 1]):
+                    eb = phy2log[b]
+                    pb = w[eb] * share[b]
+                    if pb >= pa or holds[h * E + eb]:
+                        continue
+                    delta = pa - pb
+                    # excess h sheds, less the excess d gains
+                    gain = over - max(0.0, over - delta) - max(0.0, delta - room[d])
+                    if gain > best_gain or (gain == best_gain and best_a >= 0 and (
+                            a < best_a or (a == best_a and (i < best_i or (
+                                i == best_i and b < best_b))))):
+                        best_gain = gain
+                        best_a = a
+                        best_i = i
+                        best_b = b
+    if best_a < 0:
+        return -1, -1
+    return best_a, best_b
 
 
 @kernel
@@ -233,7 +315,8 @@ def plan_repair(loads, dev, prev_phy2log, prev_share, target, max_moves, max_swe
 
     target [L]: hottest time each layer should reach. max_moves < 0: unlimited.
     Returns (phy2log [L,S], share [L,S], kept_share [L,S], moves made per layer [L]);
-    ``kept_share`` is the previous placement re-split for the new loads (no move).
+    ``kept_share`` is the previous placement re-split for the new loads (no move). The steps
+    are judged on ``STEP_SWEEPS`` sweeps of re-balance, the repaired layers get ``max_sweeps``.
     """
     L = loads.shape[0]
     speed = dev.speed
@@ -245,6 +328,7 @@ def plan_repair(loads, dev, prev_phy2log, prev_share, target, max_moves, max_swe
     gap = np.empty(L, dtype=np.float64)
     stuck = np.zeros(L, dtype=np.bool_)
     moves = np.zeros(L, dtype=np.int64)
+    holds = np.zeros(G * loads.shape[1], dtype=np.bool_)
     for layer in range(L):
         w = loads[layer]
         loads_now[layer] = device_loads(w, dev, phy2log[layer], share[layer])
@@ -261,13 +345,18 @@ def plan_repair(loads, dev, prev_phy2log, prev_share, target, max_moves, max_swe
             break
         left = S if max_moves < 0 else max_moves - spent
         made = repair_step(loads[worst], dev, phy2log[worst], share[worst], loads_now[worst],
-                           target[worst], left, max_sweeps)
+                           target[worst], left, STEP_SWEEPS, holds)
         if made == 0:
             stuck[worst] = True
         moves[worst] += made
         spent += made
         gap[worst] = total_excess(loads_now[worst], speed, target[worst]) / max(
             loads[worst].sum(), 1e-300)
+    # the steps were judged on STEP_SWEEPS sweeps: the repaired layers' shares in full
+    for layer in range(L):
+        if moves[layer] > 0:
+            balance_shares(loads[layer], dev, phy2log[layer], share[layer], loads_now[layer],
+                           max_sweeps)
     return phy2log, share, kept_share, moves
 
 
