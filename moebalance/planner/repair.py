@@ -21,7 +21,7 @@ RECEIVERS = 8
 # Share sweeps of the re-balance that judges a repair step; the repaired layer gets the full
 # MAX_SWEEPS at the end. A step's re-balance rarely converges even in 16 sweeps (its changes
 # travel along chains of replicas); 4 judge the steps about as well and take a quarter of the
-# time (RESULTS.md, "Re-plans in under 50 ms").
+# time (RESULTS.md, "Re-plans about twice as fast").
 STEP_SWEEPS = 4
 
 
