@@ -307,7 +307,37 @@ def plain_loop_replans_when_moves_pay():
     check_migrated(rebalancer, model)
 
 
-CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay]
+def compiled_model_trains_as_the_eager_one():
+    """torch.compile(model): the MoE layers run as they are (graph breaks), the model around
+    them compiled; losses, a migration and the weights as without compile."""
+    results = []
+    for compiled in (False, True):
+        model = small_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        rebalancer = mb.Rebalancer(model, TOPOLOGY, optimizer, every=EVERY)
+        # aot_eager: dynamo's tracing and AOT autograd, without compiling C++ kernels
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        data = TextBatches(SEQ, BATCH, WORLD, dist.get_rank(), seed=1)
+        losses = []
+        for step in range(STEPS):
+            batch = data(step)
+            loss = lm_loss(run(batch[:, :-1]), batch[:, 1:], WORLD * BATCH * SEQ)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            rebalancer.step()
+            losses.append(float(loss))
+        rebalancer.finish()
+        check_migrated(rebalancer, model)
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (eager_losses, eager_params), (compiled_losses, compiled_params) = results
+    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-5)
+    for a, b in zip(compiled_params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay,
+         compiled_model_trains_as_the_eager_one]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_callback_drives_a_migration)
 if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):

@@ -128,6 +128,8 @@ class HFExpertSlots(ExpertSlots):
         gate, up = nn.functional.linear(x_MH, p["gate_up_proj"][slot]).chunk(2, dim=-1)
         return nn.functional.linear(self.act_fn(gate) * up, p["down_proj"][slot])
 
+    # torch.compile runs the experts' exchange as it is (a graph break; see ExpertParallelMoE)
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._commit_pending()

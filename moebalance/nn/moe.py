@@ -418,6 +418,10 @@ class ExpertParallelMoE(ExpertSlots):
 
     # -- forward --------------------------------------------------------------------------------
 
+    # torch.compile runs the layer as it is (a graph break) and compiles the model around it:
+    # its step exchanges counts and rows with the group, plans routes on the host or in
+    # Numba/CuPy kernels, and its grouped GEMM has no fake-tensor form for float32 on CPUs.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``.
 
