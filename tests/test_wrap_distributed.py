@@ -175,11 +175,27 @@ def wrap_rejects_bad_input():
         mb.wrap(model, TOPOLOGY)
 
 
+def generate_keeps_every_rank_stepping_when_one_rank_ends_first():
+    """model.generate on an expert-parallel model: rank 0's sequence ends after one token (its
+    own eos), the others run on; every rank's output equals the plain model's."""
+    reference = tiny_moe_model("qwen3_moe")
+    wrapped = mb.wrap(copy.deepcopy(reference), TOPOLOGY,
+                      placement=random_placement(9, 8, SLOTS, num_layers=2)).eval()
+    ids = mine(global_ids(4))[:1]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    first = reference.generate(ids, **kwargs)[0, ids.shape[1]]
+    eos = int(first) if dist.get_rank() == 0 else 10_000
+    out = wrapped.generate(ids, eos_token_id=eos, **kwargs)
+    assert torch.equal(out, reference.generate(ids, eos_token_id=eos, **kwargs))
+    assert out.shape[1] == ids.shape[1] + (1 if dist.get_rank() == 0 else 6)
+
+
 CASES = []
 if importlib.util.find_spec("transformers") is not None:
     CASES = [_case(f) for f in FAMILIES] + [
         _case(f, transient=1) for f in ("mixtral", "gpt_oss")] + [
-        save_pretrained_writes_a_checkpoint_from_pretrained_loads, wrap_rejects_bad_input]
+        save_pretrained_writes_a_checkpoint_from_pretrained_loads, wrap_rejects_bad_input,
+        generate_keeps_every_rank_stepping_when_one_rank_ends_first]
 
 
 dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0,

@@ -264,6 +264,10 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
     # The model's own save_pretrained would write slots, not experts: write the plain model on
     # one rank, refuse before writing anything on several.
     model.save_pretrained = _SavePretrained(model, world)
+    if world > 1 and callable(getattr(model, "generate", None)):
+        # Every rank's MoE layers join each step's exchange: a rank whose sequences end first
+        # must keep stepping, or the others wait on it until the group's timeout.
+        model.generate = _SyncedGenerate(model)
     exclude_experts_from_ddp(model)
     model.moebalance_topology = topology
     if track:
@@ -312,6 +316,24 @@ class _SavePretrained:
 
     def __reduce__(self):
         return (_SavePretrained, (self.model(), self.world))
+
+
+class _SyncedGenerate:
+    """``model.generate`` of a model spread over several ranks: transformers' ``generate`` with
+    ``synced_gpus=True`` unless the caller says otherwise, so that ranks whose sequences end at
+    different steps (their own ``eos_token_id``, stopping criteria, lengths) all run the same
+    number of forward passes, as under DeepSpeed ZeRO-3 or FSDP."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = weakref.ref(model)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model()
+        kwargs.setdefault("synced_gpus", True)
+        return type(model).generate(model, *args, **kwargs)
+
+    def __reduce__(self):
+        return (_SyncedGenerate, (self.model(),))
 
 
 def unwrap_state_dict(model: nn.Module) -> dict:
