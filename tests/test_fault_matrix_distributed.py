@@ -55,3 +55,56 @@ def test_the_error_keeps_the_original_message(matrix):
     assert "y_MD must be a float tensor" in matrix["expert output one row short"]["message"]
     assert "(rank by rank: [8, 9, 8, 8])" in matrix["tracker of another shape"]["message"]
     assert matrix["tracker of another shape"]["per_rank"][0]["ranks"] == [FAULTY]
+
+
+def _lone_forward(rank: int, port: int, queue, done) -> None:
+    """Rank 0 runs an expert-parallel forward that rank 1 never joins (a group with a 2 s
+    timeout); rank 0 reports what it raised, while rank 1 stays up (a rank that left would
+    close the connection instead). Neither tears the group down: rank 0's last collective
+    failed."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import moebalance as mb
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=2))
+    if rank == 0:
+        placement = mb.plan(torch.ones(1, 4), mb.Topology.uniform(num_devices=2,
+                                                                  slots_per_device=2))
+        layer = mb.ExpertParallelMoE(8, 16, 4, 2, placement, seed=0)
+        try:
+            layer(torch.randn(3, 8))
+            queue.put("no error")
+        except RuntimeError as exc:
+            queue.put(str(exc))
+        done.set()
+    else:
+        done.wait(timeout=60)
+    os._exit(0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_forward_on_one_rank_alone_says_every_rank_must_run_it():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_lone_forward, args=(rank, port, queue, done))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    message = queue.get(timeout=90)
+    for p in procs:
+        p.join(timeout=30)
+    assert "did not run this forward" in message, message
+    assert "every rank" in message.lower(), message

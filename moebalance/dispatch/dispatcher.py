@@ -405,7 +405,19 @@ class Dispatcher:
         if self.world_size == 1:
             return row.view(1, -1)
         rows = row.new_empty(self.world_size * row.shape[0])
-        _all_gather_flat(rows, row, group=self.group)
+        try:
+            _all_gather_flat(rows, row, group=self.group)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            # The first collective of a layer's step: a rank alone here is most often a forward
+            # that only some ranks run (a sample generated under `if rank == 0`).
+            raise RuntimeError(
+                f"the count exchange of an expert-parallel MoE layer timed out on rank "
+                f"{dist.get_rank(self.group)}: other ranks of the group did not run this forward. "
+                f"Every rank must run every forward of an expert-parallel model, since each "
+                f"layer's experts live on all of them; run it (or model.generate) on every rank, "
+                f"each with its own inputs, not under `if rank == 0`") from exc
         return rows.view(self.world_size, -1)
 
     # -- dispatch ------------------------------------------------------------------------------
