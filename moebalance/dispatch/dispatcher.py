@@ -408,7 +408,8 @@ class Dispatcher:
         try:
             _all_gather_flat(rows, row, group=self.group)
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            said = str(exc).lower()
+            if "timed out" not in said and "timeout" not in said:
                 raise
             # The first collective of a layer's step: a rank alone here is most often a forward
             # that only some ranks run (a sample generated under `if rank == 0`).

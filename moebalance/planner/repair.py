@@ -94,15 +94,16 @@ def repair_step(w, dev, phy2log, share, load, target, budget, max_sweeps, holds)
     held = phy2log.copy()
     for s in range(held.shape[0]):
         holds[slot_device[s] * E + held[s]] = True
-    made = repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds)
+    made = repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds, held)
     for s in range(held.shape[0]):
         holds[slot_device[s] * E + held[s]] = False
     return made
 
 
 @kernel
-def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds):
-    """:func:`repair_step` with ``holds`` filled in."""
+def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds, saved_p):
+    """:func:`repair_step` with ``holds`` filled in; ``saved_p`` is a copy of ``phy2log`` on
+    entry (a tried change is undone from it)."""
     speed, slot_offsets, slot_device = dev.speed, dev.slot_offsets, dev.slot_device
     E = w.shape[0]
     G = speed.shape[0]
@@ -183,7 +184,6 @@ def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds
                     cand_dst[n_cand] = v
                     n_cand += 1
     cand_from[G] = n_cand
-    saved_p = phy2log.copy()
     saved_s = share.copy()
     saved_l = load.copy()
     if n_cand > 0:
