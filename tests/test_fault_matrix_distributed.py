@@ -57,11 +57,12 @@ def test_the_error_keeps_the_original_message(matrix):
     assert matrix["tracker of another shape"]["per_rank"][0]["ranks"] == [FAULTY]
 
 
-def _lone_forward(rank: int, port: int, queue, done) -> None:
+def _lone_forward(rank: int, store: str, queue, done) -> None:
     """Rank 0 runs an expert-parallel forward that rank 1 never joins (a group with a 2 s
     timeout); rank 0 reports what it raised, while rank 1 stays up (a rank that left would
     close the connection instead). Neither tears the group down: rank 0's last collective
-    failed."""
+    failed. ``queue`` is a SimpleQueue: its put is written before ``os._exit`` (a Queue's
+    feeder thread could still hold it)."""
     import datetime
     import os
 
@@ -70,40 +71,43 @@ def _lone_forward(rank: int, port: int, queue, done) -> None:
 
     import moebalance as mb
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=2))
-    if rank == 0:
-        placement = mb.plan(torch.ones(1, 4), mb.Topology.uniform(num_devices=2,
-                                                                  slots_per_device=2))
-        layer = mb.ExpertParallelMoE(8, 16, 4, 2, placement, seed=0)
-        try:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=2))
+        if rank == 0:
+            placement = mb.plan(torch.ones(1, 4), mb.Topology.uniform(num_devices=2,
+                                                                      slots_per_device=2))
+            layer = mb.ExpertParallelMoE(8, 16, 4, 2, placement, seed=0)
             layer(torch.randn(3, 8))
             queue.put("no error")
-        except RuntimeError as exc:
-            queue.put(str(exc))
-        done.set()
-    else:
-        done.wait(timeout=60)
+        else:
+            done.wait(timeout=60)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        queue.put(f"{type(exc).__name__} on rank {rank}: {exc}")
+    finally:
+        if rank == 0:
+            done.set()
     os._exit(0)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_a_forward_on_one_rank_alone_says_every_rank_must_run_it():
-    import socket
+def test_a_forward_on_one_rank_alone_says_every_rank_must_run_it(tmp_path):
+    import time
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue, done = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_lone_forward, args=(rank, port, queue, done))
+    queue, done = ctx.SimpleQueue(), ctx.Event()
+    procs = [ctx.Process(target=_lone_forward, args=(rank, str(tmp_path / "store"), queue, done))
              for rank in range(2)]
     for p in procs:
         p.start()
-    message = queue.get(timeout=90)
+    deadline = time.monotonic() + 90
+    while queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not queue.empty(), f"no rank reported; exit codes {[p.exitcode for p in procs]}"
+    message = queue.get()
     for p in procs:
         p.join(timeout=30)
     assert "did not run this forward" in message, message
