@@ -48,6 +48,7 @@ from torch import nn
 from ..dispatch.dispatcher import Dispatcher
 from ..frameworks import broadcast_from_rank0, check_ddp, exclude_experts_from_ddp
 from ..nn.grad_sync import GradientSync
+from ..nn.moe import compile_disabled
 from ..nn.slots import ExpertSlots, current_placement, moe_layers
 from ..nn.transient import check_transient, transient_weights
 from ..placement import Placement
@@ -129,7 +130,7 @@ class HFExpertSlots(ExpertSlots):
         return nn.functional.linear(self.act_fn(gate) * up, p["down_proj"][slot])
 
     # torch.compile runs the experts' exchange as it is (a graph break; see ExpertParallelMoE)
-    @torch.compiler.disable
+    @compile_disabled
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._commit_pending()

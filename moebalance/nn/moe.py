@@ -45,6 +45,11 @@ from .transient import check_transient, transient_weights
 __all__ = ["TopKRouter", "SlotExperts", "DenseMoE", "ExpertParallelMoE", "reduce_replica_gradients",
            "apply_placement", "current_placement", "moe_layers", "clip_grad_norm_"]
 
+# torch.compile runs a function so decorated as it is (a graph break). torch.compiler.disable
+# imports torch._dynamo where it decorates (about 1 s of CPU in every process that imports
+# moebalance); torch's own lazy form, which its optimizers use, imports it at the first call.
+compile_disabled = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
 
 def _generator(seed: int, index: int) -> torch.Generator:
     """A CPU generator for parameter block ``index`` (0: router, e + 1: expert e) of ``seed``.
@@ -421,7 +426,7 @@ class ExpertParallelMoE(ExpertSlots):
     # torch.compile runs the layer as it is (a graph break) and compiles the model around it:
     # its step exchanges counts and rows with the group, plans routes on the host or in
     # Numba/CuPy kernels, and its grouped GEMM has no fake-tensor form for float32 on CPUs.
-    @torch.compiler.disable
+    @compile_disabled
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., D]`` (this rank's tokens) -> ``[..., D]``.
 

@@ -18,7 +18,6 @@ experts, G devices, S slots (grouped by device), L layers.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from ..topology import Topology
 from ._jit import kernel
@@ -138,6 +137,9 @@ def relabel_to(k, phy2log, share, previous, topology: Topology):
     target = np.tile(np.arange(topology.num_devices, dtype=np.int64), (L, 1))
     classes = device_classes(topology)
     if classes:
+        # scipy.optimize costs 0.3 s to import: not in every process that imports moebalance
+        from scipy.optimize import linear_sum_assignment
+
         overlap = k.layer_overlaps(phy2log, previous.phy2log, dev, previous.num_experts)
         for members in classes:
             block = (overlap if members.shape[0] == topology.num_devices
