@@ -12,6 +12,8 @@ be a cycle with every one of them).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,3 +191,14 @@ def test_the_lab_reaches_the_command_only_through_its_argument_helpers():
     reaching = {m: ts for m, ts in reaching.items() if ts}
     assert not reaching, f"lab modules import the command: {reaching}"
     assert not GRAPH[TOOLS_GROUND] & {m for m in GRAPH if _within(m, (f"{PACKAGE}.lab",))}
+
+
+def test_importing_the_package_leaves_the_heavy_optional_modules_unloaded():
+    """``import moebalance`` costs every rank of a job and every command its time: torch's
+    compiler stack (about 1 s of CPU) and scipy.optimize (0.3 s) load where they are first
+    used, not at import."""
+    heavy = ("torch._dynamo", "scipy.optimize")
+    code = f"import sys, moebalance; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip() == "[]", f"import moebalance loaded {out.strip()}"
