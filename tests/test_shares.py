@@ -117,3 +117,27 @@ def test_bad_speeds_raise_naming_them(speed, error):
     p = Placement(np.array([[0, 1, 0]]), np.array([[0.5, 1.0, 0.5]]), np.array([0, 0, 1]), 2)
     with pytest.raises(ValueError, match=error):
         resplit_plan(replica_table(p, 0), speed)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_pair_fill_finishes_both_devices_together_or_leaves_the_hotter_empty(rng, backend):
+    """The water filling's two-replica step: every token placed, shares summing to 1, and the
+    two devices finishing together, or all tokens on the one that stays at or below the
+    other's time without them (the optimum for two devices)."""
+    k = _jit.kernels(backend)
+    for _ in range(200):
+        speed = rng.uniform(0.2, 3.0, 2)
+        slot_device = np.array([0, 1], dtype=np.int64)
+        share = rng.dirichlet([1.0, 1.0])
+        we = float(rng.uniform(0.0, 100.0))
+        other = rng.uniform(0.0, 100.0, 2) * (rng.random(2) < 0.8)
+        load = other + we * share
+        k.pair_fill(we, 0, 1, speed, slot_device, share, load)
+        np.testing.assert_allclose(share.sum(), 1.0, rtol=1e-12)
+        np.testing.assert_allclose(load, other + we * share, rtol=1e-12, atol=1e-9)
+        t = load / speed
+        if share.min() > 1e-12:
+            np.testing.assert_allclose(t[0], t[1], rtol=1e-9)
+        else:
+            empty = int(np.argmin(share))
+            assert t[1 - empty] <= other[empty] / speed[empty] * (1 + 1e-9) + 1e-12

@@ -127,12 +127,16 @@ def device_classes(topology: Topology) -> list[np.ndarray]:
     return [np.array(v, dtype=np.int64) for v in keys.values() if len(v) > 1]
 
 
-def relabel_to(k, phy2log, share, previous, topology: Topology):
+def relabel_to(k, phy2log, share, previous, topology: Topology, layers=None):
     """``phy2log`` / ``share`` [L, S] with, per layer, whole devices permuted within their
     class of equal (speed, slots) and slots within each device, so that as many experts as
     such a permutation allows stay where ``previous`` (a Placement) holds them; the balance is
-    the same. Returns new (phy2log, share) [L, S] arrays."""
+    the same. Returns new (phy2log, share) [L, S] arrays; with ``layers`` (indices), those
+    layers alone: [len(layers), S]."""
     dev = devices_of(topology)
+    prev_p = previous.phy2log
+    if layers is not None:
+        phy2log, share, prev_p = phy2log[layers], share[layers], prev_p[layers]
     L = phy2log.shape[0]
     target = np.tile(np.arange(topology.num_devices, dtype=np.int64), (L, 1))
     classes = device_classes(topology)
@@ -140,11 +144,11 @@ def relabel_to(k, phy2log, share, previous, topology: Topology):
         # scipy.optimize costs 0.3 s to import: not in every process that imports moebalance
         from scipy.optimize import linear_sum_assignment
 
-        overlap = k.layer_overlaps(phy2log, previous.phy2log, dev, previous.num_experts)
+        overlap = k.layer_overlaps(phy2log, prev_p, dev, previous.num_experts)
         for members in classes:
             block = (overlap if members.shape[0] == topology.num_devices
                      else overlap[:, members[:, None], members[None, :]])
             for layer in range(L):
                 rows, cols = linear_sum_assignment(block[layer], maximize=True)
                 target[layer, members[rows]] = members[cols]
-    return k.relabel_layers(phy2log, share, previous.phy2log, dev, target)
+    return k.relabel_layers(phy2log, share, prev_p, dev, target)

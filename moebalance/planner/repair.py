@@ -392,20 +392,24 @@ def repair(k, w, topology: Topology, previous, fresh, max_moves, move_cost, tole
     fresh_t = max_times(w, fresh[0], fresh[1], topology)
     short = np.flatnonzero(repaired_t > fresh_t * (1.0 + max(tolerance, REPAIR_SHORTFALL)))
     if short.size:
-        fresh_p, fresh_s = relabel_to(k, fresh[0], fresh[1], previous, topology)
-        extra = layer_moves(fresh_p, previous.phy2log, topology, w.shape[1]) - moves
+        # the fresh plan renamed, and its extra moves, for the short layers alone
+        fresh_p, fresh_s = relabel_to(k, fresh[0], fresh[1], previous, topology, short)
+        extra = layer_moves(fresh_p, previous.phy2log[short], topology, w.shape[1]) \
+            - moves[short]
+        taken = np.arange(short.size)
         if max_moves is not None:
             # the layers that gain most per extra move first, while the budget lasts
-            gain = (repaired_t - fresh_t) / np.maximum(extra, 1)
+            gain = (repaired_t[short] - fresh_t[short]) / np.maximum(extra, 1)
             left = int(max_moves) - int(moves.sum())
-            taken = []
-            for layer in short[np.argsort(-gain[short], kind="stable")]:
-                if extra[layer] <= left:
-                    taken.append(layer)
-                    left -= max(int(extra[layer]), 0)
-            short = np.array(sorted(taken), dtype=np.int64)
-        phy2log[short], share[short] = fresh_p[short], fresh_s[short]
-        moves[short] += extra[short]
+            chosen = []
+            for i in np.argsort(-gain, kind="stable"):
+                if extra[i] <= left:
+                    chosen.append(i)
+                    left -= max(int(extra[i]), 0)
+            taken = np.array(sorted(chosen), dtype=np.int64)
+        layers = short[taken]
+        phy2log[layers], share[layers] = fresh_p[taken], fresh_s[taken]
+        moves[layers] += extra[taken]
     if move_cost is not None:
         ideal = w.sum(axis=1) / topology.speed.sum()
         kept_time = max_times(w, previous.phy2log, kept_share, topology)
