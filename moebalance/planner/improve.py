@@ -93,17 +93,25 @@ def replicate_onto_spare(w, dev, phy2log, share, load, max_sweeps):
 def give_back_share(w, dev, phy2log, share, load, slot):
     """Slot ``slot`` stops serving its expert ``f``: its share goes to f's other replicas in
     proportion to theirs (equally if theirs are all zero)."""
-    slot_device = dev.slot_device
     f = phy2log[slot]
+    give_back_share_listed(w, dev, share, load, slot, f, np.flatnonzero(phy2log == f))
+
+
+@kernel
+def give_back_share_listed(w, dev, share, load, slot, f, slots_of_f):
+    """:func:`give_back_share` of ``slot``, which serves expert ``f``, whose slots
+    ``slots_of_f`` (in slot order, ``slot`` among them) the caller knows: the same arithmetic
+    without a scan of the layer."""
+    slot_device = dev.slot_device
     gone = share[slot]
     rest = 0.0
     count = 0
-    for s in range(phy2log.shape[0]):
-        if s != slot and phy2log[s] == f:
+    for s in slots_of_f:
+        if s != slot:
             rest += share[s]
             count += 1
-    for s in range(phy2log.shape[0]):
-        if s != slot and phy2log[s] == f:
+    for s in slots_of_f:
+        if s != slot:
             extra = gone * share[s] / rest if rest > 0.0 else gone / count
             share[s] += extra
             load[slot_device[s]] += w[f] * extra

@@ -12,7 +12,7 @@ import numpy as np
 from ..topology import Topology
 from ._jit import kernel
 from .core import MAX_SWEEPS, MOVE_TRIALS, devices_of
-from .improve import replace_in_slot, replicas_of, restore, swap_slots
+from .improve import give_back_share_listed, replace_in_slot, replicas_of, restore, swap_slots
 from .relabel import relabel_to
 from .shares import balance_shares, device_loads, expert_slots, max_times
 
@@ -134,8 +134,10 @@ def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds
     if n_recv == 0 and (budget < 2 or partners.shape[0] == 0):
         return 0
     spill = np.zeros(n_recv, dtype=np.float64)
+    # each expert's slots before any move (a batch moves each expert at most once, so the
+    # lists stay right for the experts it has not touched)
+    starts, members = expert_slots(phy2log, E)
     if n_recv > 0:
-        starts, members = expert_slots(phy2log, E)
         for i in range(n_recv):
             v = victim[recv[i]]
             f = phy2log[v]
@@ -154,6 +156,21 @@ def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds
         if room[recv[i]] + w[phy2log[v]] * share[v] - spill[i] > tiny:
             live[n_live] = i
             n_live += 1
+    # per live receiver: what it can take (room + victim's piece), its spill, its victim and
+    # its row of ``holds``; a piece no receiver could take more than ``tiny`` of is skipped
+    take = np.empty(n_live, dtype=np.float64)
+    live_spill = np.empty(n_live, dtype=np.float64)
+    live_dst = np.empty(n_live, dtype=np.int64)
+    live_row = np.empty(n_live, dtype=np.int64)
+    least_spill = np.inf
+    for j in range(n_live):
+        d = recv[live[j]]
+        v = victim[d]
+        take[j] = room[d] + w[phy2log[v]] * share[v]
+        live_spill[j] = spill[live[j]]
+        live_dst[j] = v
+        live_row[j] = d * E
+        least_spill = min(least_spill, live_spill[j])
     S = phy2log.shape[0]
     cand_est = np.empty(S * n_live, dtype=np.float64)
     cand_src = np.empty(S * n_live, dtype=np.int64)
@@ -170,18 +187,17 @@ def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds
             p = w[x] * share[src]
             if p <= 0.0:
                 continue
+            top = min(over, p)
+            if top - least_spill <= tiny:
+                continue
             for j in range(n_live):
-                i = live[j]
-                d = recv[i]
-                v = victim[d]
-                if holds[d * E + x]:
+                if holds[live_row[j] + x]:
                     continue
-                pv = w[phy2log[v]] * share[v]
-                est = min(over, p, room[d] + pv) - spill[i]
+                est = min(top, take[j]) - live_spill[j]
                 if est > tiny:
                     cand_est[n_cand] = est
                     cand_src[n_cand] = src
-                    cand_dst[n_cand] = v
+                    cand_dst[n_cand] = live_dst[j]
                     n_cand += 1
     cand_from[G] = n_cand
     saved_s = share.copy()
@@ -210,9 +226,14 @@ def repair_moves(w, dev, phy2log, share, load, target, budget, max_sweeps, holds
             x = phy2log[cand_src[best]]
             busy[h] = True
             busy[slot_device[cand_dst[best]]] = True
+            v = cand_dst[best]
+            f = phy2log[v]
             touched[x] = True
-            touched[phy2log[cand_dst[best]]] = True
-            replace_in_slot(w, dev, phy2log, share, load, cand_dst[best], x)
+            touched[f] = True
+            # replace_in_slot, with f's slots from the lists
+            load[slot_device[v]] -= w[f] * share[v]
+            give_back_share_listed(w, dev, share, load, v, f, members[starts[f]:starts[f + 1]])
+            phy2log[v] = x
             made += 1
         if made >= 2:
             balance_shares(w, dev, phy2log, share, load, max_sweeps)
