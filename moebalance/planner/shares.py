@@ -90,8 +90,9 @@ def water_fill(w, dev, starts, members, share, load, max_sweeps):
             e = valves[v]
             n = starts[e + 1] - starts[e]
             if n == 2:
-                # most valves have two replicas: the same arithmetic, unrolled (a third less
-                # time for the repair's re-balances, RESULTS.md "Re-plans within 50 ms")
+                # the same arithmetic, unrolled: about half the valves of a re-planned layer
+                # have two replicas (a repair move adds one), and the repair re-balances after
+                # each of its steps (RESULTS.md, "Re-plans within 50 ms")
                 change = pair_fill(w[e], members[starts[e]], members[starts[e] + 1], speed,
                                    slot_device, share, load)
                 if change > biggest_change:
