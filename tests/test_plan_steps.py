@@ -291,5 +291,11 @@ def test_relabel_moves_fewer_slots_at_the_same_balance(rng):
                                    rtol=1e-12)
         np.testing.assert_allclose(mb.imbalance(second.mean(axis=0), renamed, topo),
                                    mb.imbalance(second.mean(axis=0), fresh, topo), rtol=1e-12)
+        # the layers a repair falls back on, renamed alone: the same rows as renaming all
+        layers = np.array([2, 0])
+        p_some, s_some = relabel_to(_jit.kernels(backend), fresh.phy2log, fresh.share,
+                                    previous, topo, layers)
+        np.testing.assert_array_equal(p_some, p[layers])
+        np.testing.assert_array_equal(s_some, s[layers])
     again = mb.plan(second, topo, previous=previous)
     assert again.moves_from(previous) < 0.75 * fresh.moves_from(previous)
