@@ -344,6 +344,9 @@ def tiny_moe_model(family: str, num_layers: int = 2, num_experts: int = 8):
     elif family == "gpt_oss":
         config = tf.GptOssConfig(**common, **moe, num_local_experts=num_experts, head_dim=8,
                                  layer_types=["full_attention"] * num_layers)
+    elif family == "phimoe":       # its router subclasses nn.Linear
+        config = tf.PhimoeConfig(**common, **moe, num_local_experts=num_experts,
+                                 router_jitter_noise=0.0, input_jitter_noise=0.0)
     else:
         raise ValueError(family)
     torch.manual_seed(0)
@@ -358,7 +361,7 @@ def tiny_moe_model(family: str, num_layers: int = 2, num_experts: int = 8):
     return model
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "phimoe"]
 
 
 def capture_router_ids(model):
@@ -366,7 +369,7 @@ def capture_router_ids(model):
     captured, handles = {}, []
     for i, layer in enumerate(model.model.layers):
         router = getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None)
-        if router is None or isinstance(router, nn.Linear):
+        if router is None or type(router) is nn.Linear:
             continue  # dense layer
         handles.append(router.register_forward_hook(
             lambda mod, args, out, i=i: captured.setdefault(i, []).append(out[2].detach().clone())))
@@ -381,6 +384,7 @@ def test_attach_counts_equal_the_routers_chosen_ids(family):
     captured, handles = capture_router_ids(model)
     expected_names = {
         "gpt_oss": [f"model.layers.{i}.mlp.router" for i in range(2)],
+        "phimoe": [f"model.layers.{i}.mlp.router" for i in range(2)],
         "deepseek_v3": ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"],
     }.get(family, [f"model.layers.{i}.mlp.gate" for i in range(2)])
     assert tracker.layer_names == expected_names

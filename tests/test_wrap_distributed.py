@@ -1,4 +1,4 @@
-"""mb.wrap on 4 gloo ranks: six transformers families, expert-parallel, equal to one process.
+"""mb.wrap on 4 gloo ranks: seven transformers families, expert-parallel, equal to one process.
 
 Every rank builds the same tiny model (fixed seed), keeps a plain copy as the single-process
 reference and wraps the other under a random placement with replicas on devices of unlike speed

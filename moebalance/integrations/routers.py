@@ -18,6 +18,7 @@ make expert-parallel.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -39,7 +40,9 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
 
     Dense layers have no router and get no index, so index ``l`` is the l-th MoE layer.
     Raises ValueError when a transformers 4.x-style router (a bare ``nn.Linear`` gate, which
-    returns logits only) is found, or when the expert count of a router cannot be told.
+    returns logits only) is found, or when the expert count of a router cannot be told. A
+    subclass of ``nn.Linear`` with its own forward (PhiMoE's top-k router) is a router like any
+    other.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -55,7 +58,7 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
             if not (marked or structural):
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if isinstance(child, nn.Linear) and not marked:
+            if type(child) is nn.Linear and not marked:
                 raise ValueError(
                     f"{name} is a plain nn.Linear gate (transformers 4.x layout) that returns "
                     f"logits only; attach() needs routers that return their chosen expert ids: "
@@ -207,5 +210,23 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
             raise ValueError("this model is already wrapped; wrap() it once (unwrap() gives the "
                              "plain model back)")
         if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            if not _takes_routed_tokens(experts):
+                raise ValueError(
+                    f"{block_name}.experts ({type(experts).__name__}) is called on every token "
+                    f"for every expert, not as experts(hidden, top_k_index, top_k_weights) "
+                    f"(Llama 4's layout); wrap() serves the blocks that route tokens (Mixtral, "
+                    f"Qwen, OLMoE, DeepSeek, GPT-OSS and alike) -- record this model's expert ids "
+                    f"with LoadTracker.record() and plan with mb.plan()")
             blocks.append((block_name, block, router))
     return blocks
+
+
+def _takes_routed_tokens(experts: nn.Module) -> bool:
+    """Whether ``experts.forward`` takes ``(hidden, top_k_index, top_k_weights)``."""
+    try:
+        params = list(inspect.signature(experts.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True          # no signature to read: the first forward will tell
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3

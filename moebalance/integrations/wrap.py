@@ -6,7 +6,10 @@ The plug point is a module swap of each MoE block's ``experts`` child. All six f
 ``self.experts(hidden [T, H], top_k_index, top_k_weights)``, with shared experts (Qwen2-MoE,
 DeepSeek-V3) added outside it. Replacing that one child keeps the model's own router and its
 exact choice (DeepSeek-V3's bias-corrected, group-limited top-k included), the shared experts and
-every non-expert module as they are, and needs no registry. transformers' own expert
+every non-expert module as they are, and needs no registry. Many more families are built the
+same way (PhiMoE, GLM-4-MoE, MiniMax, Qwen3-Next, Jamba, ...); :func:`check_family_arithmetic`
+probes each kind of experts module once and refuses one that computes something else, and
+:func:`~.routers.moe_blocks` one called on every token (Llama 4). transformers' own expert
 parallelism (``DistributedConfig(ep_size=...)``) shards experts as contiguous DTensor blocks with
 no replicas and no placement, and its ``EPImplementationInterface`` / ``ExpertsInterface`` plug
 points pass through version-specific registries; a module swap works on every 5.x release that
@@ -58,6 +61,65 @@ from .routers import attach, moe_blocks
 __all__ = ["wrap", "unwrap", "unwrap_state_dict", "save_pretrained", "HFExpertSlots"]
 
 GRAD_SCALES = ("mean", "sum")
+
+
+def family_expert(x_MH: torch.Tensor, p: dict, slot: int, transposed: bool, activation
+                  ) -> torch.Tensor:
+    """One expert of a transformers MoE block on rows ``x_MH``: row ``slot`` of the fused
+    parameters ``p`` (``name -> [n, ...]``). SwiGLU on ``gate_up_proj [n, 2I, H]`` / ``down_proj
+    [n, H, I]``, or GPT-OSS's transposed form with biases and its own gate (``activation``)."""
+    if transposed:
+        gate_up = x_MH @ p["gate_up_proj"][slot] + p["gate_up_proj_bias"][slot]
+        return activation(gate_up) @ p["down_proj"][slot] + p["down_proj_bias"][slot]
+    gate, up = nn.functional.linear(x_MH, p["gate_up_proj"][slot]).chunk(2, dim=-1)
+    return nn.functional.linear(activation(gate) * up, p["down_proj"][slot])
+
+
+def check_family_arithmetic(name: str, experts: nn.Module) -> None:
+    """Refuse, before anything changes, an ``experts`` module whose forward does not compute
+    :func:`family_expert`: a family built otherwise would train wrong without an error. One
+    token per expert (a fixed random probe, the user's random state untouched) through the
+    module's own forward and through :func:`family_expert` on its rows; modules on the meta
+    device (a loader's) and forwards that cannot run here (a kernel refusing the dtype) are
+    not probed."""
+    gate_up = experts.gate_up_proj
+    if gate_up.is_meta:
+        return
+    transposed = isinstance(getattr(experts, "gate_up_proj_bias", None), torch.Tensor)
+    activation = (type(experts)._apply_gate.__get__(experts) if transposed
+                  else getattr(experts, "act_fn", None))
+    if activation is None:
+        raise ValueError(f"{name} ({type(experts).__name__}) has no act_fn; wrap() serves "
+                         f"experts that compute act_fn(gate) * up on fused gate_up_proj")
+    E = gate_up.shape[0]
+    hidden = gate_up.shape[1] if transposed else gate_up.shape[2]
+    probe = torch.randn(E, hidden, generator=torch.Generator().manual_seed(0))
+    x_EH = probe.to(device=gate_up.device, dtype=gate_up.dtype)
+    ids = torch.arange(E, device=gate_up.device)[:, None]
+    weights = torch.ones(E, 1, device=gate_up.device, dtype=gate_up.dtype)
+    rows = {n: getattr(experts, n) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                             "down_proj_bias")
+            if isinstance(getattr(experts, n, None), torch.Tensor)}
+    with torch.no_grad():
+        try:
+            theirs = experts(x_EH, ids, weights)
+        except Exception:       # noqa: BLE001 -- a forward that cannot run here is not probed
+            return
+        ours = torch.cat([family_expert(x_EH[e:e + 1], rows, e, transposed, activation)
+                          for e in range(E)])
+        if theirs.shape != ours.shape:
+            gap = float("inf")
+        else:
+            gap = float((theirs.double() - ours.double()).norm()
+                        / ours.double().norm().clamp_min(1e-300))
+    # 16-bit weights: a few roundings of a fused kernel; another arithmetic is off by O(1)
+    tolerance = max(1e-5, 8 * torch.finfo(gate_up.dtype).eps)
+    if not gap <= tolerance:
+        raise ValueError(
+            f"{name} ({type(experts).__name__}) computes something other than the SwiGLU experts "
+            f"of Mixtral / Qwen / DeepSeek (or GPT-OSS's form) that moebalance's slots compute "
+            f"(relative difference {gap:.2g} on a probe): wrapping it would train it wrong. Track "
+            f"its loads with mb.attach(model) and plan with mb.plan(), without wrap()")
 
 
 class HFExpertSlots(ExpertSlots):
@@ -123,11 +185,8 @@ class HFExpertSlots(ExpertSlots):
         """The original module's arithmetic for the expert in local ``slot`` (of ``rows``,
         ``name -> [n, ...]``, when given: the step's lent transient rows)."""
         p = rows if rows is not None else {name: getattr(self, name) for name in self._names}
-        if self.transposed:
-            gate_up = x_MH @ p["gate_up_proj"][slot] + p["gate_up_proj_bias"][slot]
-            return self._apply_gate(gate_up) @ p["down_proj"][slot] + p["down_proj_bias"][slot]
-        gate, up = nn.functional.linear(x_MH, p["gate_up_proj"][slot]).chunk(2, dim=-1)
-        return nn.functional.linear(self.act_fn(gate) * up, p["down_proj"][slot])
+        activation = self._apply_gate if self.transposed else self.act_fn
+        return family_expert(x_MH, p, slot, self.transposed, activation)
 
     # torch.compile runs the experts' exchange as it is (a graph break; see ExpertParallelMoE)
     @compile_disabled
@@ -229,6 +288,11 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
                          f"experts; the model has {len(blocks)} MoE blocks of {E}: plan one row "
                          f"per MoE block, in module order")
     placement.validate(topology)
+    seen = set()
+    for name, block, _ in blocks:      # one probe per experts class: its arithmetic is code
+        if type(block.experts) not in seen:
+            seen.add(type(block.experts))
+            check_family_arithmetic(f"{name}.experts", block.experts)
     return blocks, placement
 
 

@@ -154,7 +154,8 @@ def tiny_hf_moe(family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8,
     """A small random-init transformers 5.x MoE causal LM (no download), the same on every rank.
 
     Args:
-        family: "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" or "gpt_oss".
+        family: "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss" or
+            "phimoe".
         layers, experts, top_k, hidden, expert_hidden, vocab: sizes (bytes: vocab 256).
         seed: weights from this seed.
     """
@@ -183,6 +184,8 @@ def tiny_hf_moe(family: str = "qwen3_moe", *, layers: int = 2, experts: int = 8,
             qk_nope_head_dim=8, v_head_dim=8),
         "gpt_oss": lambda: tf.GptOssConfig(**common, num_local_experts=experts, head_dim=head_dim,
                                            layer_types=["full_attention"] * layers),
+        "phimoe": lambda: tf.PhimoeConfig(**common, num_local_experts=experts,
+                                          router_jitter_noise=0.0, input_jitter_noise=0.0),
     }
     if family not in configs:
         raise ValueError(f"family must be one of {sorted(configs)}, got {family!r}")

@@ -1,0 +1,80 @@
+"""``mb.wrap`` on transformers families beyond the six it was built on, in one process: a
+family whose blocks route tokens the same way is served exactly; one whose experts take every
+token (Llama 4) or compute something else is refused before the model changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moebalance as mb
+
+tf = pytest.importorskip("transformers")
+
+from moebalance.lab.models import tiny_hf_moe  # noqa: E402
+
+EXPERTS = 8
+
+
+def _fp64_eager(model):
+    model = model.double().eval()
+    model.set_experts_implementation("eager")   # grouped_mm refuses fp64
+    return model
+
+
+def test_phimoe_router_subclassing_linear_is_served_exactly():
+    # PhiMoE's router subclasses nn.Linear and returns (logits, weights, ids) like the others
+    model = _fp64_eager(tiny_hf_moe("phimoe", experts=EXPERTS, hidden=32, expert_hidden=32,
+                                    vocab=64))
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    wrapped = mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
+    with torch.no_grad():
+        got = wrapped(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    counts = wrapped.moebalance_tracker.snapshot()
+    assert counts.shape == (2, EXPERTS) and float(counts.sum()) == 2 * 2 * 10 * 2
+
+
+def test_llama4_experts_on_every_token_are_refused_at_wrap():
+    config = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                                 intermediate_size_mlp=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 num_local_experts=EXPERTS, num_experts_per_tok=1,
+                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                                 bos_token_id=None)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"feed_forward\.experts \(Llama4TextExperts\).*"
+                                         r"LoadTracker\.record"):
+        mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+def test_experts_with_other_arithmetic_are_refused_before_any_change():
+    model = tiny_hf_moe("mixtral", experts=EXPERTS, hidden=32, expert_hidden=32, vocab=64)
+    plain = type(model.model.layers[0].mlp.experts)
+
+    class ScaledExperts(plain):
+        """A family whose experts scale their output (a routed scaling inside the module)."""
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2.5 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = ScaledExperts
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts \(ScaledExperts\).*"
+                                         r"train it wrong"):
+        mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
+    assert all(type(layer.mlp.experts) is ScaledExperts for layer in model.model.layers)
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+def test_the_probe_leaves_the_random_state_alone():
+    model = tiny_hf_moe("qwen3_moe", experts=EXPERTS, hidden=32, expert_hidden=32, vocab=64)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    mb.wrap(model, mb.Topology.uniform(1, EXPERTS), track=False)
+    assert torch.equal(torch.random.get_rng_state(), state)
