@@ -18,6 +18,7 @@ line), or not built (this transformers cannot build it from the tiny configurati
 from __future__ import annotations
 
 import argparse
+import tempfile
 import warnings
 
 import torch
@@ -88,14 +89,29 @@ def check(name: str, ids) -> str:
         want_logits, want_grad = run(model, ids)
     except Exception as e:          # noqa: BLE001 -- a family this transformers cannot build
         return f"not built: {type(e).__name__}: {str(e).splitlines()[0][:90]}"
-    try:
-        mb.wrap(model, mb.Topology.uniform(1, EXPERTS), track=False)
-    except ValueError as e:
-        return f"refused: {str(e)[:150]}"
-    logits, grad = run(model, ids)
-    gap = max(float((logits - want_logits).abs().max()), float((grad - want_grad).abs().max()))
-    return f"served exactly (max difference {gap:.1e})" if gap <= 1e-10 else \
-        f"WRONG: differs by {gap:.2e}"
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)               # the family's own checkpoint layout
+        try:
+            mb.wrap(model, mb.Topology.uniform(1, EXPERTS), track=False)
+        except ValueError as e:
+            return f"refused: {str(e)[:150]}"
+        logits, grad = run(model, ids)
+        gap = max(float((logits - want_logits).abs().max()),
+                  float((grad - want_grad).abs().max()))
+        try:
+            loaded = mb.from_pretrained(folder, mb.Topology.uniform(1, EXPERTS), track=False,
+                                        dtype=torch.float64, attn_implementation="eager")
+            with torch.no_grad():
+                loaded_gap = float((loaded(input_ids=ids).logits - want_logits).abs().max())
+        except ValueError as e:
+            loaded_gap, refused = None, str(e)[:100]
+    if gap > 1e-10:
+        return f"WRONG: wrap differs by {gap:.2e}"
+    if loaded_gap is None:
+        return f"served exactly (max difference {gap:.1e}); from_pretrained refused: {refused}"
+    if loaded_gap > 1e-10:
+        return f"WRONG: from_pretrained differs by {loaded_gap:.2e}"
+    return f"served exactly (max difference {gap:.1e}), from_pretrained too ({loaded_gap:.1e})"
 
 
 def main() -> int:

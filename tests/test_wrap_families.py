@@ -78,3 +78,20 @@ def test_the_probe_leaves_the_random_state_alone():
     state = torch.random.get_rng_state()
     mb.wrap(model, mb.Topology.uniform(1, EXPERTS), track=False)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_phimoe_checkpoint_loads_expert_parallel_with_the_attention_asked_for(tmp_path):
+    model = _fp64_eager(tiny_hf_moe("phimoe", experts=EXPERTS, hidden=32, expert_hidden=32,
+                                    vocab=64))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)      # transformers' own layout: one tensor per expert
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    loaded = mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS), dtype=torch.float64,
+                                attn_implementation="eager")
+    assert loaded.config._attn_implementation == "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="attn_implementation must be a str"):
+        mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS), attn_implementation=True)

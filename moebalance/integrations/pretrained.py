@@ -55,9 +55,9 @@ _FIX = ("load it with transformers' from_pretrained and pass the model to mb.wra
 
 def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Placement | None = None,
                     group=None, *, model_class=None, dtype: torch.dtype | None = None,
-                    exchange: str = "auto", nodes=None, grad_scale: str = "mean",
-                    resplit: bool = True, track: bool = True, transient: int = 0,
-                    transient_cost: float | None = None) -> nn.Module:
+                    attn_implementation: str | None = None, exchange: str = "auto", nodes=None,
+                    grad_scale: str = "mean", resplit: bool = True, track: bool = True,
+                    transient: int = 0, transient_cost: float | None = None) -> nn.Module:
     """Load a transformers 5.x MoE checkpoint expert-parallel: this rank reads only its experts.
 
     Call on every rank of ``group`` with the same arguments, before creating the optimizer.
@@ -71,6 +71,8 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
         group: the process group (None: the default group).
         model_class: the transformers class to build (default ``AutoModelForCausalLM``).
         dtype: parameter dtype (default: the config's ``dtype``, else float32).
+        attn_implementation: as for transformers' ``from_pretrained`` ("eager", "sdpa",
+            "flash_attention_2", ...; default: transformers' choice).
         exchange, nodes, grad_scale, resplit, track, transient, transient_cost: as for
             :func:`moebalance.wrap`.
 
@@ -86,7 +88,7 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
     loaded, error = None, None
     try:
         loaded = _load(path, topology, placement, world, rank, group, model_class, dtype,
-                       grad_scale)
+                       grad_scale, attn_implementation)
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
         error = exc
     _agree(group, world, error, None if loaded is None else loaded[3])
@@ -126,7 +128,7 @@ def _agree(group, world: int, error: Exception | None, digest: str | None) -> No
 
 
 def _load(path, topology, placement, world: int, rank: int, group, model_class, dtype,
-          grad_scale: str):
+          grad_scale: str, attn_implementation: str | None = None):
     """(meta-built model, dense weights loaded; blocks; placement; digest; rows by layer)."""
     if grad_scale not in GRAD_SCALES:
         raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
@@ -137,7 +139,10 @@ def _load(path, topology, placement, world: int, rank: int, group, model_class, 
     files = _safetensors_files(folder)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
-    model = _meta_model(folder, model_class, dtype)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise TypeError(f"attn_implementation must be a str (e.g. 'sdpa', 'eager') or None, got "
+                        f"{type(attn_implementation).__name__}")
+    model = _meta_model(folder, model_class, dtype, attn_implementation)
     blocks, placement = _check_wrap(model, topology, group, placement)
     digest = hashlib.sha256(b"".join([
         np.ascontiguousarray(topology.speed).tobytes(),
@@ -191,7 +196,8 @@ def _safetensors_files(folder: str) -> list[str]:
                      f"model.save_pretrained(path) (safe_serialization, the default)")
 
 
-def _meta_model(folder: str, model_class, dtype) -> nn.Module:
+def _meta_model(folder: str, model_class, dtype, attn_implementation: str | None = None
+                ) -> nn.Module:
     """The model built from ``folder``'s config on the meta device (no weights allocated)."""
     import transformers as tf
 
@@ -207,8 +213,9 @@ def _meta_model(folder: str, model_class, dtype) -> nn.Module:
     if build is None:
         raise TypeError(f"model_class must be a transformers model class or auto class, got "
                         f"{cls!r}")
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with torch.device("meta"):
-        model = build(config, dtype=dtype)
+        model = build(config, dtype=dtype, **options)
     generation = os.path.join(folder, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = tf.GenerationConfig.from_pretrained(folder)
