@@ -527,3 +527,22 @@ def test_frontier_plot_tells_every_series_apart(tmp_path, monkeypatch):
               for line in ax.get_lines()}
     assert len(ax.get_lines()) == 14 and len(series) == 14
     assert "0-10%" not in ax.get_title()
+
+
+def test_plan_reads_a_text_table_of_loads(loads_file, tmp_path, capsys):
+    path, w = loads_file
+    csv = tmp_path / "loads.csv"
+    names = ",".join(f"expert{e}" for e in range(w.shape[1]))
+    np.savetxt(csv, w, delimiter=",", header=names, comments="")
+    rc, stdout, err = run_cli(["plan", str(csv), "--devices", "4", "--slots", "5", "--out",
+                               str(tmp_path / "p.npz")], capsys)
+    assert rc == 0, err
+    topo = Topology.uniform(4, 5)
+    p = Placement.load(tmp_path / "p.npz").validate(topo)
+    assert f"imbalance {summary_imbalance(w, p, topo):.4f}" in stdout
+    ragged = tmp_path / "ragged.txt"
+    ragged.write_text("1 2 3\n4 5\n")
+    rc, _, err = run_cli(["plan", str(ragged), "--devices", "2", "--slots", "2", "--out",
+                          str(tmp_path / "q.npz")], capsys)
+    assert rc == 2 and "LOADS: " in err and "one row of loads per layer" in err
+    assert not (tmp_path / "q.npz").exists()

@@ -25,7 +25,7 @@ import numpy as np
 from .._check import as_loads
 from ..placement import Placement
 
-LOAD_SUFFIXES = (".npy", ".npz", ".pt", ".pth")
+LOAD_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".csv", ".txt")
 
 
 class UsageError(Exception):
@@ -99,10 +99,12 @@ def positive_float_arg(text: str) -> float:
 
 def read_loads(path: str, key: str | None = None, flag: str = "LOADS",
                steps: bool = False) -> np.ndarray:
-    """Per-expert loads [L, E] float64 from a .npy, .npz or .pt file.
+    """Per-expert loads [L, E] float64 from a .npy, .npz, .pt or text (.csv, .txt) file.
 
-    An .npz or a .pt holding a dict gives the array under ``key`` (default: ``loads``, or its only
-    array). Per-step counts [steps, L, E] are averaged over the steps, or kept as they are with
+    A text file is a table, one row per layer (one row: one layer), comma-separated in a .csv,
+    separated by spaces or commas in a .txt; a first row of names is skipped. An .npz or a .pt
+    holding a dict gives the array under ``key`` (default: ``loads``, or its only array).
+    Per-step counts [steps, L, E] are averaged over the steps, or kept as they are with
     ``steps`` (for a plan for the steps).
     """
     p = Path(path)
@@ -111,9 +113,12 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS",
     if not p.is_file():
         raise UsageError(f"{flag}: no such file {path!r}")
     _check_kind(p, flag, {".npy": ("npy",), ".npz": ("zip",), ".pt": ("zip", "pickle"),
-                          ".pth": ("zip", "pickle")}[p.suffix])
+                          ".pth": ("zip", "pickle"), ".csv": ("text",),
+                          ".txt": ("text",)}[p.suffix])
     try:
-        if p.suffix == ".npy":
+        if p.suffix in (".csv", ".txt"):
+            arr = _read_table(p, flag)
+        elif p.suffix == ".npy":
             arr = np.load(p, allow_pickle=False)
         elif p.suffix == ".npz":
             with np.load(p, allow_pickle=False) as data:
@@ -146,6 +151,22 @@ def read_loads(path: str, key: str | None = None, flag: str = "LOADS",
         raise UsageError(str(exc)) from None
 
 
+def _read_table(p: Path, flag: str) -> np.ndarray:
+    """A text table of loads, one row per layer; a first row of names is skipped."""
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    delimiter = "," if p.suffix == ".csv" or any("," in line for line in lines) else None
+    if lines:
+        try:
+            np.loadtxt(lines[:1], delimiter=delimiter, dtype=np.float64)
+        except ValueError:
+            lines = lines[1:]                 # column names
+    try:
+        return np.loadtxt(lines, delimiter=delimiter, ndmin=2, dtype=np.float64)
+    except ValueError:
+        raise UsageError(f"{flag}: {str(p)!r} is not a table of numbers with rows of one length: "
+                         f"write one row of loads per layer, one column per expert") from None
+
+
 # What a file's first bytes say it is, and how to make the file its name promises.
 _KINDS = {
     "npy": "a numpy array (.npy)",
@@ -160,6 +181,8 @@ _HOW = {
     ".npz": "write it with numpy.savez, or with moebalance.Placement.save / moebalance plan --out",
     ".pt": "write it with torch.save(tensor or dict of tensors)",
     ".pth": "write it with torch.save(tensor or dict of tensors)",
+    ".csv": "write it as a text table, one row of comma-separated loads per layer",
+    ".txt": "write it as a text table, one row of loads per layer",
 }
 
 

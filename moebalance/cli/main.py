@@ -308,7 +308,8 @@ def build_parser() -> ArgumentParser:
                                       "(.npz, readable with moebalance.Placement.load).")
     plan.add_argument("loads", metavar="LOADS",
                       help="loads [layers, experts], or per-step counts [steps, layers, "
-                           "experts] (then planned for the steps), in a .npy, .npz or .pt file")
+                           "experts] (then planned for the steps), in a .npy, .npz or .pt file, "
+                           "or a text table (.csv, .txt): one row per layer")
     plan.add_argument("--key", help="array name inside an .npz or a saved dict (default: loads)")
     add_topology_arguments(plan)
     plan.add_argument("--previous", metavar="FILE",
