@@ -174,6 +174,28 @@ def wrap_rejects_bad_input():
     with pytest.raises(ValueError, match="already wrapped"):
         mb.wrap(model, TOPOLOGY)
 
+    # Experts whose arithmetic differs: refused on every rank (rank 0's probe decides), and
+    # weights another rank never initialised (NaN) do not stop the wrap: rank 0's are trained.
+    scaled = tiny_moe_model("mixtral")
+    plain = type(scaled.model.layers[0].mlp.experts)
+
+    class ScaledExperts(plain):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2.5 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    for layer in scaled.model.layers:
+        layer.mlp.experts.__class__ = ScaledExperts
+    with pytest.raises(ValueError, match="would train it wrong"):
+        mb.wrap(scaled, TOPOLOGY)
+    unset = tiny_moe_model("mixtral")
+    if dist.get_rank() == 2:
+        with torch.no_grad():
+            for layer in unset.model.layers:
+                layer.mlp.experts.gate_up_proj.fill_(float("nan"))
+    wrapped = mb.wrap(unset, TOPOLOGY)
+    with torch.no_grad():
+        assert torch.isfinite(wrapped(input_ids=mine(global_ids(5))).logits).all()
+
 
 def generate_keeps_every_rank_stepping_when_one_rank_ends_first():
     """model.generate on an expert-parallel model: rank 0's sequence ends after one token (its

@@ -75,22 +75,22 @@ def family_expert(x_MH: torch.Tensor, p: dict, slot: int, transposed: bool, acti
     return nn.functional.linear(activation(gate) * up, p["down_proj"][slot])
 
 
-def check_family_arithmetic(name: str, experts: nn.Module) -> None:
-    """Refuse, before anything changes, an ``experts`` module whose forward does not compute
-    :func:`family_expert`: a family built otherwise would train wrong without an error. One
+def family_arithmetic_error(name: str, experts: nn.Module) -> str | None:
+    """Why ``experts`` must be refused, or None: its forward does not compute
+    :func:`family_expert` (a family built otherwise would train wrong without an error). One
     token per expert (a fixed random probe, the user's random state untouched) through the
     module's own forward and through :func:`family_expert` on its rows; modules on the meta
-    device (a loader's) and forwards that cannot run here (a kernel refusing the dtype) are
-    not probed."""
+    device (a loader's), forwards that cannot run here (a kernel refusing the dtype) and
+    weights that give no finite answer (never initialised) are not probed."""
     gate_up = experts.gate_up_proj
     if gate_up.is_meta:
-        return
+        return None
     transposed = isinstance(getattr(experts, "gate_up_proj_bias", None), torch.Tensor)
     activation = (type(experts)._apply_gate.__get__(experts) if transposed
                   else getattr(experts, "act_fn", None))
     if activation is None:
-        raise ValueError(f"{name} ({type(experts).__name__}) has no act_fn; wrap() serves "
-                         f"experts that compute act_fn(gate) * up on fused gate_up_proj")
+        return (f"{name} ({type(experts).__name__}) has no act_fn; wrap() serves experts that "
+                f"compute act_fn(gate) * up on fused gate_up_proj")
     E = gate_up.shape[0]
     hidden = gate_up.shape[1] if transposed else gate_up.shape[2]
     probe = torch.randn(E, hidden, generator=torch.Generator().manual_seed(0))
@@ -104,7 +104,7 @@ def check_family_arithmetic(name: str, experts: nn.Module) -> None:
         try:
             theirs = experts(x_EH, ids, weights)
         except Exception:       # noqa: BLE001 -- a forward that cannot run here is not probed
-            return
+            return None
         ours = torch.cat([family_expert(x_EH[e:e + 1], rows, e, transposed, activation)
                           for e in range(E)])
         if theirs.shape != ours.shape:
@@ -114,12 +114,31 @@ def check_family_arithmetic(name: str, experts: nn.Module) -> None:
                         / ours.double().norm().clamp_min(1e-300))
     # 16-bit weights: a few roundings of a fused kernel; another arithmetic is off by O(1)
     tolerance = max(1e-5, 8 * torch.finfo(gate_up.dtype).eps)
-    if not gap <= tolerance:
-        raise ValueError(
-            f"{name} ({type(experts).__name__}) computes something other than the SwiGLU experts "
-            f"of Mixtral / Qwen / DeepSeek (or GPT-OSS's form) that moebalance's slots compute "
-            f"(relative difference {gap:.2g} on a probe): wrapping it would train it wrong. Track "
-            f"its loads with mb.attach(model) and plan with mb.plan(), without wrap()")
+    if gap <= tolerance or (gap != gap and theirs.shape == ours.shape):
+        return None     # the same arithmetic, or weights that say nothing (NaN)
+    return (f"{name} ({type(experts).__name__}) computes something other than the SwiGLU "
+            f"experts of Mixtral / Qwen / DeepSeek (or GPT-OSS's form) that moebalance's slots "
+            f"compute (relative difference {gap:.2g} on a probe): wrapping it would train it "
+            f"wrong. Track its loads with mb.attach(model) and plan with mb.plan(), without "
+            f"wrap()")
+
+
+def check_family_arithmetic(blocks: list, group, world: int) -> None:
+    """Probe each kind of experts module of ``blocks`` once (:func:`family_arithmetic_error`)
+    and refuse on every rank alike: the verdict is rank 0's, whose weights every rank trains
+    (ranks built without a common seed could hold weights that probe differently)."""
+    error, seen = None, set()
+    for name, block, _ in blocks:      # one probe per experts class: its arithmetic is code
+        if error is None and type(block.experts) not in seen:
+            seen.add(type(block.experts))
+            error = family_arithmetic_error(f"{name}.experts", block.experts)
+    if world > 1:
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0)
+                                   if group is not None else 0, group=group)
+        error = verdict[0]
+    if error is not None:
+        raise ValueError(error)
 
 
 class HFExpertSlots(ExpertSlots):
@@ -242,6 +261,7 @@ def wrap(model: nn.Module, topology: Topology, group=None, placement: Placement 
     if grad_scale not in GRAD_SCALES:
         raise ValueError(f"grad_scale must be one of {list(GRAD_SCALES)}, got {grad_scale!r}")
     blocks, placement = _check_wrap(model, topology, group, placement)
+    check_family_arithmetic(blocks, group, topology.num_devices)
     return _install(model, blocks, placement, topology, group, exchange=exchange, nodes=nodes,
                     grad_scale=grad_scale, resplit=resplit, track=track, transient=transient,
                     transient_cost=transient_cost)
@@ -288,11 +308,6 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
                          f"experts; the model has {len(blocks)} MoE blocks of {E}: plan one row "
                          f"per MoE block, in module order")
     placement.validate(topology)
-    seen = set()
-    for name, block, _ in blocks:      # one probe per experts class: its arithmetic is code
-        if type(block.experts) not in seen:
-            seen.add(type(block.experts))
-            check_family_arithmetic(f"{name}.experts", block.experts)
     return blocks, placement
 
 
