@@ -3,8 +3,11 @@
 For every MoE causal LM configuration class of the installed transformers (the list below), a
 tiny random-init model (hidden 32, 2 layers, 8 experts, top-2; fp64, eager experts) runs one
 batch plain and then wrapped on one process (a topology of one device holding every expert):
-the logits and the embedding's gradient of the summed logits must be equal. ``mb.wrap`` either
-serves a family exactly or refuses it with one line; a difference is a bug.
+the logits and the embedding's gradient of the summed logits must be equal, and the tracker
+``mb.wrap`` attaches must count every routed expert the routers chose (LongCat-Flash's
+identity experts take no slot and are not counted). The family's own
+``save_pretrained`` checkpoint is then loaded with ``mb.from_pretrained`` and must give the same
+logits. Each family is served exactly or refused with one line; a difference is a bug.
 
 Usage::
 
@@ -24,6 +27,7 @@ import warnings
 import torch
 
 import moebalance as mb
+from moebalance.integrations.routers import find_routers
 
 EXPERTS = 8
 # Fields the configuration classes name differently; each class ignores those it lacks.
@@ -92,10 +96,17 @@ def check(name: str, ids) -> str:
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)               # the family's own checkpoint layout
         try:
-            mb.wrap(model, mb.Topology.uniform(1, EXPERTS), track=False)
+            mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
         except ValueError as e:
             return f"refused: {str(e)[:150]}"
+        chosen = []             # the routers' own choices of routed experts, by our hooks
+        hooks = [router.register_forward_hook(
+                     lambda m, a, out: chosen.append(int((out[2] < EXPERTS).sum())))
+                 for _, router, _ in find_routers(model)]
         logits, grad = run(model, ids)
+        for hook in hooks:
+            hook.remove()
+        tracked = int(model.moebalance_tracker.counts().sum()) == sum(chosen)
         gap = max(float((logits - want_logits).abs().max()),
                   float((grad - want_grad).abs().max()))
         try:
@@ -107,6 +118,8 @@ def check(name: str, ids) -> str:
             loaded_gap, refused = None, str(e)[:100]
     if gap > 1e-10:
         return f"WRONG: wrap differs by {gap:.2e}"
+    if not tracked:
+        return "WRONG: the tracker's counts miss tokens"
     if loaded_gap is None:
         return f"served exactly (max difference {gap:.1e}); from_pretrained refused: {refused}"
     if loaded_gap > 1e-10:

@@ -46,7 +46,7 @@ def test_llama4_experts_on_every_token_are_refused_at_wrap():
                                  bos_token_id=None)
     model = tf.AutoModelForCausalLM.from_config(config)
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"feed_forward\.experts \(Llama4TextExperts\).*"
+    with pytest.raises(ValueError, match=r"feed_forward\.router .*Llama 4's layout.*"
                                          r"LoadTracker\.record"):
         mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
@@ -95,3 +95,48 @@ def test_phimoe_checkpoint_loads_expert_parallel_with_the_attention_asked_for(tm
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match="attn_implementation must be a str"):
         mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS), attn_implementation=True)
+
+
+def test_llama4_routers_are_refused_by_attach_at_once():
+    config = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                                 intermediate_size_mlp=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 num_local_experts=EXPERTS, num_experts_per_tok=1,
+                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                                 bos_token_id=None)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"feed_forward\.router feeds experts that run every "
+                                         r"token.*LoadTracker\.record"):
+        mb.attach(model)
+
+
+def test_longcat_identity_experts_are_not_counted_as_invalid_ids():
+    # LongCat-Flash routes some tokens to zero-computation experts (ids past the routed ones)
+    config = tf.LongcatFlashConfig(vocab_size=64, hidden_size=32, num_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                   v_head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                   kv_lora_rank=16, q_lora_rank=16, ffn_hidden_size=32,
+                                   expert_ffn_hidden_size=16, n_routed_experts=EXPERTS,
+                                   zero_expert_num=4, moe_topk=2, max_position_embeddings=64,
+                                   pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    chosen = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.router"):
+            module.register_forward_hook(lambda m, a, out: chosen.append(out[2].clone()))
+    topology = mb.Topology.uniform(1, EXPERTS)
+    wrapped = mb.wrap(model, topology)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    rebalancer = mb.Rebalancer(wrapped, topology, optimizer, every=2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        rebalancer.step()          # re-plans at step 2 from the counts: no invalid ids
+    assert bool(torch.cat([c.reshape(-1) for c in chosen]).ge(EXPERTS).any()), \
+        "no token went to an identity expert"
+    chosen.clear()
+    with torch.no_grad():
+        wrapped(input_ids=ids)
+    assert int(wrapped.moebalance_tracker.counts().sum()) == int((chosen[0] < EXPERTS).sum())

@@ -65,6 +65,12 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
                     "use transformers>=5, or call LoadTracker.record(layer, topk_ids) from your "
                     "own code"
                 )
+            if structural and not marked and not _takes_routed_tokens(parent.experts):
+                raise ValueError(
+                    f"{name} feeds experts that run every token for every expert (Llama 4's "
+                    f"layout: {type(parent.experts).__name__}.forward(hidden)), and it returns no "
+                    f"chosen expert ids to count; record them with LoadTracker.record(layer, "
+                    f"topk_ids) from your own code")
             seen.add(id(child))
             found.append((name, child, _router_num_experts(name, child, model, marked)))
     return found
@@ -176,12 +182,22 @@ def attach(model: nn.Module, tracker: LoadTracker | None = None, *, window: int 
         _TRACKER_OF_ROUTER[router] = weakref.ref(tracker)
     tracker.layer_names = [name for name, _, _ in routers]
     tracker._routers = [weakref.ref(router) for _, router, _ in routers]
-    tracker._hooks = [router.register_forward_hook(_make_hook(tracker, layer, name))
+    modules = dict(model.named_modules())
+    tracker._hooks = [router.register_forward_hook(_make_hook(
+                          tracker, layer, name,
+                          _identity_experts(modules.get(name.rpartition(".")[0]))))
                       for layer, (name, router, _) in enumerate(routers)]
     return tracker
 
 
-def _make_hook(tracker: LoadTracker, layer: int, name: str):
+def _identity_experts(block) -> int:
+    """Zero-computation experts of a block (LongCat-Flash's ``zero_expert_num``): ids past the
+    routed experts that pass a token through unchanged, with no slot and no compute."""
+    zero = getattr(block, "zero_expert_num", 0)
+    return zero if isinstance(zero, int) and not isinstance(zero, bool) and zero > 0 else 0
+
+
+def _make_hook(tracker: LoadTracker, layer: int, name: str, identity: int = 0):
     def record_router_choice(module, args, output):
         # A forward replayed inside backward (activation checkpointing) was already counted.
         if torch._C._current_graph_task_id() != -1:
@@ -193,7 +209,10 @@ def _make_hook(tracker: LoadTracker, layer: int, name: str):
                 "(router_logits, top_k_weights, top_k_index); attach() supports routers that "
                 f"return that triple -- record other routers' ids with LoadTracker.record()"
             )
-        tracker.record(layer, output[2])
+        ids = output[2]
+        if identity:     # a token sent to an identity expert loads no slot: counted as dropped
+            ids = torch.where(ids < tracker.num_experts, ids, -1)
+        tracker.record(layer, ids)
 
     return record_router_choice
 
