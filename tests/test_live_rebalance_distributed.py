@@ -464,6 +464,39 @@ def rebalancer_plain_loop_drives_migrations_and_keeps_losses():
     assert_replicas_identical(moving)
 
 
+def rebalancer_called_between_micro_batches_keeps_accumulated_gradients():
+    # Gradient accumulation with step() where users put it: after every micro-batch, or once
+    # before optimizer.step(). A migration started there would commit before the next
+    # micro-batch and drop the gradients accumulated so far; the Rebalancer does it at the
+    # optimizer's next step instead. Losses equal a run that never moves.
+    dtype = torch.float64
+    topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS, node=[0, 0, 1, 1])
+    start = mb.plan(np.ones((2, E)), topology)
+    for where in ("every micro-batch", "before optimizer.step"):
+        fixed, moving = Net(start, dtype), Net(start, dtype)
+        opt_fixed, opt_moving = make_optimizer(fixed, "sgd"), make_optimizer(moving, "sgd")
+        rebalancer = mb.Rebalancer(moving, topology, opt_moving, every=2)
+        for step in range(8):
+            for model, optimizer in ((fixed, opt_fixed), (moving, opt_moving)):
+                losses = []
+                for micro in range(3):
+                    x, target = batch(100 + 3 * step + micro, dtype)
+                    loss = (model(x) - target).pow(2).sum() / (3 * WORLD * TOKENS)
+                    loss.backward()
+                    losses.append(float(loss))
+                    if model is moving and (where == "every micro-batch" or micro == 2):
+                        assert rebalancer.step() is None      # done at the optimizer's step
+                optimizer.step()
+                optimizer.zero_grad()
+                if model is fixed:
+                    expected = losses
+            assert losses == pytest.approx(expected, rel=1e-10), (where, step)
+        rebalancer.finish()
+        assert rebalancer.steps == 8, where                   # one per optimizer step
+        assert any(r["moves"] > 0 for r in rebalancer.history), (where, rebalancer.history)
+        assert_replicas_identical(moving)
+
+
 def rebalancer_plans_for_the_steps_it_kept():
     # The Rebalancer's call is plan(counts_TLE, ...): each kept step's counts summed over the
     # ranks, oldest first, not their mean; its report gives both figures.
@@ -600,6 +633,7 @@ CASES = [
     apply_placement_rejects_another_topology,
     replica_gradient_traffic_scales_with_replicas_held,
     backward_sync_equals_manual_sync_also_under_accumulation,
+    rebalancer_called_between_micro_batches_keeps_accumulated_gradients,
     rebalanced_run_matches_fixed_run_sgd_momentum_fp64,
     rebalanced_run_matches_fixed_run_adamw_fp32,
     rebalanced_run_matches_fixed_run_adamw_fp64,

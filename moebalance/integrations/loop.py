@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -183,6 +184,23 @@ class Rebalancer:
                             f"{type(optimizer).__name__}")
         check_optimizer(model, optimizer)
         self.optimizer = optimizer
+        # Step boundaries. A migration must start right after an optimizer step: one started
+        # between the micro-batches of gradient accumulation (step() after each backward, or
+        # before optimizer.step()) would commit before the next micro-batch and drop the
+        # gradients accumulated so far. The optimizer's steps and the layers' backward passes
+        # are counted by hooks; a step() away from a boundary is done by the optimizer's next
+        # step, right after its update.
+        self._optimizer_steps = 0
+        self._acted_at = -1            # the optimizer step step() last acted on
+        self._backwards = 0            # backward passes through the layers' slots
+        self._backwards_at_step = 0
+        self._deferred = False
+        if optimizer is not None:
+            ref = weakref.ref(self)
+            self._hooks = [optimizer.register_step_post_hook(_after_optimizer_step(ref))] + [
+                layer.slot_parameters()[0].register_post_accumulate_grad_hook(
+                    _count_backward(ref)) for layer in self.layers
+                if layer.slot_parameters()[0].requires_grad]
         if tracker is None:
             tracker = attached_tracker(model)                       # e.g. by moebalance.wrap
         if tracker is None:
@@ -228,7 +246,22 @@ class Rebalancer:
 
     def step(self) -> dict | None:
         """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
-        when this step started one, else None."""
+        when this step started one, else None.
+
+        With an optimizer, a call away from a step boundary (after a micro-batch of gradient
+        accumulation, before ``optimizer.step()``, after a step the AMP scaler skipped) returns
+        None and is done by the optimizer's next step, right after its update (its report goes
+        to ``history``); further calls before that step add nothing."""
+        if self.optimizer is not None:
+            if self._backwards != self._backwards_at_step:
+                self._deferred = True            # between micro-batches: at the next step
+                return None
+            if self._acted_at == self._optimizer_steps:
+                return None                      # this optimizer step is done already
+        return self._step()
+
+    def _step(self) -> dict | None:
+        self._acted_at = self._optimizer_steps
         self.steps += 1
         self.last_counts = self.tracker.step()  # [L_tracked, E] of the step just closed, this rank
         self._keep(self.last_counts)
@@ -418,3 +451,30 @@ class Rebalancer:
     def __repr__(self) -> str:
         return (f"Rebalancer(every={self.every}, threshold={self.threshold}, steps={self.steps}, "
                 f"replans={len(self.history)}, migrating={self.migrating})")
+
+
+
+def _after_optimizer_step(ref: weakref.ref):
+    """The Rebalancer's optimizer step post-hook (held weakly: the optimizer must not keep a
+    finished Rebalancer alive): count the step, and do a step() deferred to this boundary."""
+
+    def stepped(optimizer, args, kwargs) -> None:
+        owner = ref()
+        if owner is None:
+            return
+        owner._optimizer_steps += 1
+        owner._backwards_at_step = owner._backwards
+        if owner._deferred:
+            owner._deferred = False
+            owner._step()
+
+    return stepped
+
+
+def _count_backward(ref: weakref.ref):
+    def counted(param) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._backwards += 1
+
+    return counted
