@@ -372,6 +372,36 @@ def per_rank_state_dict_resumes_its_placement():
     assert torch.equal(resumed(x), model(x))
 
 
+def rank0s_state_dict_is_refused_on_the_other_ranks():
+    # The data-parallel habit: rank 0 saves model.state_dict(), every rank loads it. Its slot
+    # rows are rank 0's experts: the other ranks refuse it before any row changes.
+    dtype = torch.float64
+    model, _ = _trained(dtype)
+    state = [{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+              for k, v in model.state_dict().items()}]
+    dist.broadcast_object_list(state, src=0)
+    resumed = Net(placements_for(0), dtype)
+    rows = [p.detach().clone() for p in resumed.parameters()]
+    if dist.get_rank() == 0:
+        resumed.load_state_dict(state[0])               # its own: loads
+        for p, q in zip(resumed.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+    else:
+        with pytest.raises(ValueError, match=r"holds the expert slots of rank 0.*rank "
+                                             rf"{dist.get_rank()} must load its own"):
+            resumed.load_state_dict(state[0])
+        layer_rows = {id(p) for m in moe_layers(resumed) for p in m.slot_parameters()}
+        for p, before in zip(resumed.parameters(), rows):
+            if id(p) in layer_rows:
+                assert torch.equal(p.detach(), before)
+    # a per-rank state_dict of an earlier version (no rank in the extra state) still loads
+    own = {k: (v[:-1] if k.endswith("_extra_state") else v) for k, v in
+           model.state_dict().items()}
+    older = Net(placements_for(0), dtype)
+    older.load_state_dict(own)
+    assert current_placement(older) == current_placement(model)
+
+
 def replica_gradient_traffic_scales_with_replicas_held():
     # Rank 0 holds 3 replicated experts, rank 1 two, ranks 2 and 3 one each.
     row = np.array([0, 1, 2, 0, 1, 3, 4, 5, 2, 6, 7, 0])
@@ -633,6 +663,7 @@ CASES = [
     apply_placement_rejects_another_topology,
     replica_gradient_traffic_scales_with_replicas_held,
     backward_sync_equals_manual_sync_also_under_accumulation,
+    rank0s_state_dict_is_refused_on_the_other_ranks,
     rebalancer_called_between_micro_batches_keeps_accumulated_gradients,
     rebalanced_run_matches_fixed_run_sgd_momentum_fp64,
     rebalanced_run_matches_fixed_run_adamw_fp32,

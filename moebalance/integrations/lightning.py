@@ -43,7 +43,8 @@ except ImportError:  # the standalone package name
 
 from ..frameworks import exclude_experts_from_ddp
 from ..nn import checkpoint
-from ..nn.moe import clip_grad_norm_
+from ..nn.moe import clip_grad_norm_, moe_layers
+from ..nn.slots import _OTHER_RANKS_ROWS
 from ..topology import Topology
 from .loop import Rebalancer, logged_figures, torch_optimizer
 
@@ -84,6 +85,12 @@ class RebalanceCallback(Callback):
         self._check_strategy(trainer)
         # Names read when Lightning builds its DDP, after configure_model may have wrapped.
         exclude_experts_from_ddp(pl_module)
+        if not getattr(pl_module, "_moebalance_resume_hooks", False):
+            # Under DDP Lightning loads rank 0's state_dict on every rank; on_load_checkpoint
+            # then loads every expert by logical id, so other ranks' slot rows may pass here.
+            pl_module.register_load_state_dict_pre_hook(_allow_other_ranks_rows)
+            pl_module.register_load_state_dict_post_hook(_end_other_ranks_rows)
+            pl_module._moebalance_resume_hooks = True
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._check_strategy(trainer)
@@ -136,6 +143,16 @@ class RebalanceCallback(Callback):
             ckpt["moebalance"] = checkpoint.expert_state_dict(pl_module, optimizer)
 
     def on_load_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
+        _OTHER_RANKS_ROWS[0] = 0
+        foreign = [layer for layer in moe_layers(pl_module)
+                   if getattr(layer, "other_ranks_rows_loaded", False)]
+        for layer in foreign:
+            layer.other_ranks_rows_loaded = False
+        if foreign and "moebalance" not in ckpt:
+            raise ValueError("this checkpoint holds rank 0's expert slots only (saved with "
+                             "RebalanceCallback(save_experts=False) or without the callback); "
+                             "resume from one saved with save_experts=True, which stores every "
+                             "expert by logical id")
         if "moebalance" in ckpt:
             # The weights now (validate/test/predict from ckpt_path need no more); the
             # optimizer state, which Lightning restores later, at on_train_start.
@@ -151,3 +168,11 @@ class RebalanceCallback(Callback):
             self._restored = state_dict
             if self.rebalancer is not None:
                 self.rebalancer.load_state_dict(state_dict)
+
+
+def _allow_other_ranks_rows(module, *args) -> None:
+    _OTHER_RANKS_ROWS[0] += 1
+
+
+def _end_other_ranks_rows(module, incompatible_keys) -> None:
+    _OTHER_RANKS_ROWS[0] = max(0, _OTHER_RANKS_ROWS[0] - 1)

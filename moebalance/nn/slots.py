@@ -162,13 +162,32 @@ class ExpertSlots(nn.Module):
     def get_extra_state(self) -> torch.Tensor:
         """The placement row this rank's slot rows were saved under, for a per-rank checkpoint:
         one float64 tensor ``[layer, num_experts, S, phy2log[layer] (S), share[layer] (S),
-        slot_device (S)]`` (a tensor, so safetensors files, as the Hugging Face Trainer
-        writes, can hold it; ids are exact in float64)."""
+        slot_device (S), rank]`` (a tensor, so safetensors files, as the Hugging Face Trainer
+        writes, can hold it; ids are exact in float64). ``rank``: whose slots the rows are."""
         p = self.placement
         head = [float(self.layer), float(p.num_experts), float(p.num_slots)]
         return torch.from_numpy(np.concatenate([
             np.asarray(head), p.phy2log[self.layer].astype(np.float64), p.share[self.layer],
-            p.slot_device.astype(np.float64)]))
+            p.slot_device.astype(np.float64), [float(self.dispatcher.rank)]]))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # A state_dict holds its own rank's slots only: rank 0's, loaded on every rank (the
+        # data-parallel habit: save on rank 0, load everywhere), would give the other ranks
+        # rank 0's experts in their slots. Refused before any row is copied, unless a framework
+        # callback loads every expert by logical id right after (allow_other_ranks_rows).
+        saved = _saved_rank(state_dict.get(prefix + "_extra_state"))
+        if saved is not None and saved != self.dispatcher.rank:
+            if _OTHER_RANKS_ROWS[0] == 0:
+                raise ValueError(
+                    f"this state_dict holds the expert slots of rank {saved}, and a state_dict "
+                    f"holds only its own rank's experts: rank {self.dispatcher.rank} must load "
+                    f"its own. Save one per rank (on every rank: torch.save(model.state_dict(), "
+                    f"f'ckpt-rank{{rank}}.pt')), or every expert by logical id "
+                    f"(mb.checkpoint.save(path, model, optimizer), mb.save_pretrained)")
+            self.other_ranks_rows_loaded = True
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def set_extra_state(self, state) -> None:
         """Resume the placement row a per-rank checkpoint was saved under (its rows came along).
@@ -176,6 +195,8 @@ class ExpertSlots(nn.Module):
         if isinstance(state, torch.Tensor):
             values = state.detach().to("cpu", torch.float64).numpy()
             S = int(values[2]) if values.size >= 3 else -1
+            if values.size == 4 + 3 * S:
+                values = values[:-1]                 # the saving rank (checked at the load)
             if values.size != 3 + 3 * S:
                 raise ValueError(f"the extra state of layer {self.layer} holds {values.size} "
                                  f"numbers, not a placement row; load this checkpoint by logical "
@@ -201,6 +222,31 @@ class ExpertSlots(nn.Module):
         share[self.layer] = state["share"]
         self._set_placement(Placement(phy2log, share, current.slot_device, current.num_experts)
                             .validate(), self.layer)
+
+
+# > 0 while a framework loads a state_dict whose experts it then loads by logical id.
+_OTHER_RANKS_ROWS = [0]
+
+
+def _saved_rank(state) -> int | None:
+    """The rank whose slots a saved extra state's rows are (None: not recorded)."""
+    if not isinstance(state, torch.Tensor) or state.dim() != 1 or state.numel() < 3:
+        return None
+    S = int(state[2])
+    return int(state[-1]) if state.numel() == 4 + 3 * S else None
+
+
+class allow_other_ranks_rows:
+    """Within it, a state_dict saved by another rank loads into the expert slots as it is (its
+    rows are wrong here); for a framework's resume that then loads every expert by logical id,
+    which checks ``layer.other_ranks_rows_loaded``."""
+
+    def __enter__(self):
+        _OTHER_RANKS_ROWS[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OTHER_RANKS_ROWS[0] -= 1
 
 
 def moe_layers(module: nn.Module) -> list[ExpertSlots]:
