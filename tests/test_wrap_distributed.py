@@ -176,17 +176,10 @@ def wrap_rejects_bad_input():
 
     # Experts whose arithmetic differs: refused on every rank (rank 0's probe decides), and
     # weights another rank never initialised (NaN) do not stop the wrap: rank 0's are trained.
-    scaled = tiny_moe_model("mixtral")
-    plain = type(scaled.model.layers[0].mlp.experts)
+    from test_wrap_families import with_scaled_experts
 
-    class ScaledExperts(plain):
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            return 2.5 * super().forward(hidden_states, top_k_index, top_k_weights)
-
-    for layer in scaled.model.layers:
-        layer.mlp.experts.__class__ = ScaledExperts
     with pytest.raises(ValueError, match="would train it wrong"):
-        mb.wrap(scaled, TOPOLOGY)
+        mb.wrap(with_scaled_experts(tiny_moe_model("mixtral")), TOPOLOGY)
     unset = tiny_moe_model("mixtral")
     if dist.get_rank() == 2:
         with torch.no_grad():

@@ -22,6 +22,31 @@ def _fp64_eager(model):
     return model
 
 
+def tiny_llama4():
+    """Llama 4: its experts run every token for every expert, scores folded into the rows."""
+    config = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                                 intermediate_size_mlp=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 num_local_experts=EXPERTS, num_experts_per_tok=1,
+                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                                 bos_token_id=None)
+    return tf.AutoModelForCausalLM.from_config(config)
+
+
+def with_scaled_experts(model):
+    """``model`` (a transformers MoE) whose experts scale their output: a family whose experts
+    compute something else than the slots do."""
+    plain = type(model.model.layers[0].mlp.experts)
+
+    class ScaledExperts(plain):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2.5 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = ScaledExperts
+    return model
+
+
 def test_phimoe_router_subclassing_linear_is_served_exactly():
     # PhiMoE's router subclasses nn.Linear and returns (logits, weights, ids) like the others
     model = _fp64_eager(tiny_hf_moe("phimoe", experts=EXPERTS, hidden=32, expert_hidden=32,
@@ -38,13 +63,7 @@ def test_phimoe_router_subclassing_linear_is_served_exactly():
 
 
 def test_llama4_experts_on_every_token_are_refused_at_wrap():
-    config = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
-                                 intermediate_size_mlp=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                 num_local_experts=EXPERTS, num_experts_per_tok=1,
-                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
-                                 bos_token_id=None)
-    model = tf.AutoModelForCausalLM.from_config(config)
+    model = tiny_llama4()
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"feed_forward\.router .*Llama 4's layout.*"
                                          r"LoadTracker\.record"):
@@ -53,22 +72,14 @@ def test_llama4_experts_on_every_token_are_refused_at_wrap():
 
 
 def test_experts_with_other_arithmetic_are_refused_before_any_change():
-    model = tiny_hf_moe("mixtral", experts=EXPERTS, hidden=32, expert_hidden=32, vocab=64)
-    plain = type(model.model.layers[0].mlp.experts)
-
-    class ScaledExperts(plain):
-        """A family whose experts scale their output (a routed scaling inside the module)."""
-
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            return 2.5 * super().forward(hidden_states, top_k_index, top_k_weights)
-
-    for layer in model.model.layers:
-        layer.mlp.experts.__class__ = ScaledExperts
+    model = with_scaled_experts(tiny_hf_moe("mixtral", experts=EXPERTS, hidden=32,
+                                            expert_hidden=32, vocab=64))
+    scaled = type(model.model.layers[0].mlp.experts)
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts \(ScaledExperts\).*"
                                          r"train it wrong"):
         mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
-    assert all(type(layer.mlp.experts) is ScaledExperts for layer in model.model.layers)
+    assert all(type(layer.mlp.experts) is scaled for layer in model.model.layers)
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
 
 
@@ -98,13 +109,7 @@ def test_phimoe_checkpoint_loads_expert_parallel_with_the_attention_asked_for(tm
 
 
 def test_llama4_routers_are_refused_by_attach_at_once():
-    config = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
-                                 intermediate_size_mlp=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                 num_local_experts=EXPERTS, num_experts_per_tok=1,
-                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
-                                 bos_token_id=None)
-    model = tf.AutoModelForCausalLM.from_config(config)
+    model = tiny_llama4()
     with pytest.raises(ValueError, match=r"feed_forward\.router feeds experts that run every "
                                          r"token.*LoadTracker\.record"):
         mb.attach(model)
