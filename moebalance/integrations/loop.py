@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -53,6 +54,8 @@ from .routers import attach, attached_tracker
 
 __all__ = ["Rebalancer"]
 
+# step() calls in a row with no optimizer step that make it warn (the wrong optimizer?)
+IDLE_CALLS_WARNING = 1000
 log = logging.getLogger("moebalance")
 
 ON_FAILURE = ("warn", "raise")
@@ -184,17 +187,17 @@ class Rebalancer:
                             f"{type(optimizer).__name__}")
         check_optimizer(model, optimizer)
         self.optimizer = optimizer
-        # Step boundaries. A migration must start right after an optimizer step: one started
-        # between the micro-batches of gradient accumulation (step() after each backward, or
-        # before optimizer.step()) would commit before the next micro-batch and drop the
-        # gradients accumulated so far. The optimizer's steps and the layers' backward passes
-        # are counted by hooks; a step() away from a boundary is done by the optimizer's next
-        # step, right after its update.
+        # Step boundaries. A layer commits its moved rows before its next forward, zeroing the
+        # gradient rows of the slots that change expert: between the micro-batches of gradient
+        # accumulation (step() after each backward) that would drop the gradients accumulated
+        # so far. The optimizer's steps and the layers' backward passes are counted by hooks:
+        # step() acts once per optimizer step, and a migration commits only at a forward with
+        # no backward since the last optimizer step (at_boundary).
         self._optimizer_steps = 0
         self._acted_at = -1            # the optimizer step step() last acted on
         self._backwards = 0            # backward passes through the layers' slots
         self._backwards_at_step = 0
-        self._deferred = False
+        self._idle_calls = 0
         if optimizer is not None:
             ref = weakref.ref(self)
             self._hooks = [optimizer.register_step_post_hook(_after_optimizer_step(ref))] + [
@@ -248,20 +251,21 @@ class Rebalancer:
         """Call once per optimizer step, after it, on every rank. Returns the re-plan's report
         when this step started one, else None.
 
-        With an optimizer, a call away from a step boundary (after a micro-batch of gradient
-        accumulation, before ``optimizer.step()``, after a step the AMP scaler skipped) returns
-        None and is done by the optimizer's next step, right after its update (its report goes
-        to ``history``); further calls before that step add nothing."""
+        With an optimizer, it acts once per optimizer step: with gradient accumulation, a call
+        after every micro-batch acts at the first one after each optimizer step and returns None
+        at the others; a migration it starts between micro-batches commits only after the
+        optimizer's next step."""
         if self.optimizer is not None:
-            if self._backwards != self._backwards_at_step:
-                self._deferred = True            # between micro-batches: at the next step
-                return None
             if self._acted_at == self._optimizer_steps:
-                return None                      # this optimizer step is done already
-        return self._step()
-
-    def _step(self) -> dict | None:
-        self._acted_at = self._optimizer_steps
+                self._idle_calls += 1            # this optimizer step is done already
+                if self._idle_calls == IDLE_CALLS_WARNING:
+                    warnings.warn(f"Rebalancer.step() was called {IDLE_CALLS_WARNING} times since "
+                                  f"the optimizer it was given last stepped; it acts once per "
+                                  f"step of that optimizer: pass the optimizer your loop steps",
+                                  stacklevel=2)
+                return None
+            self._acted_at = self._optimizer_steps
+            self._idle_calls = 0
         self.steps += 1
         self.last_counts = self.tracker.step()  # [L_tracked, E] of the step just closed, this rank
         self._keep(self.last_counts)
@@ -354,6 +358,8 @@ class Rebalancer:
         migration = apply_placement(self.model, new, self.optimizer, topology=self.topology,
                                     blocking=False, timeout_s=self.timeout_s,
                                     max_bytes_in_flight=self.max_bytes_in_flight)
+        if self.optimizer is not None:
+            migration.commit_gate = _at_boundary(weakref.ref(self))
         self._last_replan = self.steps
         if self._reset_after_replan:
             self.tracker.reset()
@@ -367,7 +373,8 @@ class Rebalancer:
         log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f (per step %.4f -> %.4f), "
                  "%d moves, %.1f MB, plan %.1f ms", self.steps, before, after, steps_before,
                  steps_after, report["moves"], report["bytes"] / 1e6, planned_ms)
-        if self.blocking:
+        if self.blocking and (self.optimizer is None or
+                              self._backwards == self._backwards_at_step):
             try:
                 migration.wait()
             except MigrationError:
@@ -453,20 +460,15 @@ class Rebalancer:
                 f"replans={len(self.history)}, migrating={self.migrating})")
 
 
-
 def _after_optimizer_step(ref: weakref.ref):
     """The Rebalancer's optimizer step post-hook (held weakly: the optimizer must not keep a
-    finished Rebalancer alive): count the step, and do a step() deferred to this boundary."""
+    finished Rebalancer alive): count the step."""
 
     def stepped(optimizer, args, kwargs) -> None:
         owner = ref()
-        if owner is None:
-            return
-        owner._optimizer_steps += 1
-        owner._backwards_at_step = owner._backwards
-        if owner._deferred:
-            owner._deferred = False
-            owner._step()
+        if owner is not None:
+            owner._optimizer_steps += 1
+            owner._backwards_at_step = owner._backwards
 
     return stepped
 
@@ -478,3 +480,14 @@ def _count_backward(ref: weakref.ref):
             owner._backwards += 1
 
     return counted
+
+
+def _at_boundary(ref: weakref.ref):
+    """A migration's commit gate: True when no backward ran since the last optimizer step (the
+    same on every rank: they run the same micro-batches)."""
+
+    def gate() -> bool:
+        owner = ref()
+        return owner is None or owner._backwards == owner._backwards_at_step
+
+    return gate

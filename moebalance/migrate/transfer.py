@@ -250,6 +250,10 @@ class Migration:
         self.plan = plan
         self.optimizer = optimizer
         self.error: MigrationError | None = None
+        # None, or a callable saying whether the layers may commit now (the Rebalancer's: not
+        # between the micro-batches of gradient accumulation); rows held back go stale at the
+        # optimizer's step and are sent again.
+        self.commit_gate: Callable[[], bool] | None = None
         self._slot_params = slot_params
         self._number = number
         self._callbacks: dict[int, list[Callable[[int], None]]] = {}

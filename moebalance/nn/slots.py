@@ -153,6 +153,8 @@ class ExpertSlots(nn.Module):
         migration = self._pending
         if migration is None:
             return
+        if migration.commit_gate is not None and not migration.commit_gate():
+            return        # gradients are accumulating: commit after the optimizer's step
         migration.commit(self.layer)
         if not migration.pending(self.layer):
             self._pending = None
