@@ -173,6 +173,10 @@ def wrap_rejects_bad_input():
     model = mb.wrap(tiny_moe_model("mixtral"), TOPOLOGY)
     with pytest.raises(ValueError, match="already wrapped"):
         mb.wrap(model, TOPOLOGY)
+    # DistributedDataParallel built first holds the experts wrap() replaces: refused at once
+    with pytest.raises(ValueError, match=r"inside a DistributedDataParallel, built before "
+                                         r"wrap\(\).*then DistributedDataParallel\(model\)"):
+        mb.wrap(torch.nn.parallel.DistributedDataParallel(tiny_moe_model("mixtral")), TOPOLOGY)
 
     # Experts whose arithmetic differs: refused on every rank (rank 0's probe decides), and
     # weights another rank never initialised (NaN) do not stop the wrap: rank 0's are trained.

@@ -278,6 +278,15 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
                         f"{type(model).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
+    outer = next((m for m in model.modules()
+                  if isinstance(m, nn.parallel.DistributedDataParallel)
+                  or type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule")), None)
+    if outer is not None:
+        raise ValueError(
+            f"the model is inside a {type(outer).__name__}, built before wrap(): it holds the "
+            f"experts that wrap() replaces and would wait for their gradients. Call "
+            f"mb.wrap(model, topology) first, then DistributedDataParallel(model) (it leaves the "
+            f"expert slots alone); sharded wrappers (FSDP) are not supported")
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(
