@@ -106,6 +106,13 @@ def test_phimoe_checkpoint_loads_expert_parallel_with_the_attention_asked_for(tm
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match="attn_implementation must be a str"):
         mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS), attn_implementation=True)
+    # transformers' older name for dtype, as users' code still spells it
+    older = mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS),
+                               torch_dtype=torch.float64, attn_implementation="eager")
+    assert next(older.parameters()).dtype == torch.float64
+    with pytest.raises(ValueError, match="not both"):
+        mb.from_pretrained(tmp_path, mb.Topology.uniform(1, EXPERTS), dtype=torch.float64,
+                           torch_dtype=torch.float64)
 
 
 def test_llama4_routers_are_refused_by_attach_at_once():

@@ -57,7 +57,8 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
                     group=None, *, model_class=None, dtype: torch.dtype | None = None,
                     attn_implementation: str | None = None, exchange: str = "auto", nodes=None,
                     grad_scale: str = "mean", resplit: bool = True, track: bool = True,
-                    transient: int = 0, transient_cost: float | None = None) -> nn.Module:
+                    transient: int = 0, transient_cost: float | None = None,
+                    torch_dtype: torch.dtype | None = None) -> nn.Module:
     """Load a transformers 5.x MoE checkpoint expert-parallel: this rank reads only its experts.
 
     Call on every rank of ``group`` with the same arguments, before creating the optimizer.
@@ -70,7 +71,8 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
         placement: one row per MoE block, in module order; None plans one for uniform loads.
         group: the process group (None: the default group).
         model_class: the transformers class to build (default ``AutoModelForCausalLM``).
-        dtype: parameter dtype (default: the config's ``dtype``, else float32).
+        dtype: parameter dtype (default: the config's ``dtype``, else float32); ``torch_dtype``,
+            transformers' older name for it, is taken too.
         attn_implementation: as for transformers' ``from_pretrained`` ("eager", "sdpa",
             "flash_attention_2", ...; default: transformers' choice).
         exchange, nodes, grad_scale, resplit, track, transient, transient_cost: as for
@@ -87,6 +89,10 @@ def from_pretrained(path: str | os.PathLike, topology: Topology, placement: Plac
     world, rank = _group_size(group)
     loaded, error = None, None
     try:
+        if torch_dtype is not None:
+            if dtype is not None:
+                raise ValueError("give dtype= or torch_dtype= (its older name), not both")
+            dtype = torch_dtype
         loaded = _load(path, topology, placement, world, rank, group, model_class, dtype,
                        grad_scale, attn_implementation)
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
