@@ -4,6 +4,8 @@ token (Llama 4) or compute something else is refused before the model changes.""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -152,3 +154,16 @@ def test_longcat_identity_experts_are_not_counted_as_invalid_ids():
     with torch.no_grad():
         wrapped(input_ids=ids)
     assert int(wrapped.moebalance_tracker.counts().sum()) == int((chosen[0] < EXPERTS).sum())
+
+
+def test_an_optimizer_built_before_wrap_is_named_in_a_warning():
+    model = tiny_hf_moe("qwen3_moe", experts=EXPERTS, hidden=32, expert_hidden=32, vocab=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)     # the habit: before wrap
+    with pytest.warns(UserWarning, match="optimizer built before mb.wrap"):
+        mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
+    del optimizer
+    fresh = tiny_hf_moe("qwen3_moe", experts=EXPERTS, hidden=32, expert_hidden=32, vocab=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mb.wrap(fresh, mb.Topology.uniform(1, EXPERTS))
+        torch.optim.AdamW(fresh.parameters(), lr=1e-3)               # after: no warning

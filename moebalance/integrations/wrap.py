@@ -41,6 +41,7 @@ Legend: T tokens on this rank, H hidden size, I expert hidden size, E experts, L
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 
 import numpy as np
@@ -337,6 +338,9 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
         broadcast_from_rank0(model, group)
     if nodes is None:
         nodes = topology.node
+    # The replaced experts' parameters: nothing should hold them once they are swapped out
+    originals = [] if rows is not None else [
+        weakref.ref(p) for _, block, _ in blocks for p in block.experts.parameters(recurse=False)]
     for layer, (_, block, router) in enumerate(blocks):
         original = block.experts
         block.experts = HFExpertSlots(original, router, placement, layer, group, exchange=exchange,
@@ -345,6 +349,11 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
                                       rows=None if rows is None else rows(layer),
                                       transient=transient, transient_cost=transient_cost)
         del original
+    if any(ref() is not None for ref in originals):
+        warnings.warn("mb.wrap: the experts' original parameters are still held elsewhere, most "
+                      "likely by an optimizer built before mb.wrap: it would update tensors the "
+                      "wrapped model no longer uses, and the experts would not train. Build the "
+                      "optimizer after mb.wrap", stacklevel=3)
     if world > 1:
         slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in slot_ids]
