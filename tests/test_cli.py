@@ -261,15 +261,17 @@ def test_plan_says_it_loaded_numba_kernels_from_the_cache(loads_file, tmp_path):
     path, _ = loads_file
     env = {**__import__("os").environ, "MOEBALANCE_PLANNER": "numba"}
     lines = []
-    for _ in range(2):  # the first run fills Numba's cache if nothing did before
+    for _ in range(2):  # a second run only when the first had to fill Numba's cache
         proc = subprocess.run([sys.executable, "-m", "moebalance", "plan", str(path), "--devices",
                                "4", "--slots", "5", "--out", str(tmp_path / "p.npz"), "--force"],
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines.append(proc.stdout.splitlines()[0])
-    assert "the first call took" in lines[1]
-    assert "loading the planner's compiled kernels from Numba's on-disk cache" in lines[1]
-    assert "includes compilation" not in " ".join(lines)
+        if "includes compilation" not in lines[-1]:
+            break
+    assert "the first call took" in lines[-1]
+    assert "loading the planner's compiled kernels from Numba's on-disk cache" in lines[-1]
+    assert "includes compilation" not in lines[-1]
 
 
 def test_first_call_note_tells_compiling_from_loading():
