@@ -177,7 +177,7 @@ class ExpertSlots(nn.Module):
         # A state_dict holds its own rank's slots only: rank 0's, loaded on every rank (the
         # data-parallel habit: save on rank 0, load everywhere), would give the other ranks
         # rank 0's experts in their slots. Refused before any row is copied, unless a framework
-        # callback loads every expert by logical id right after (allow_other_ranks_rows).
+        # callback loads every expert by logical id right after (_OTHER_RANKS_ROWS).
         saved = _saved_rank(state_dict.get(prefix + "_extra_state"))
         if saved is not None and saved != self.dispatcher.rank:
             if _OTHER_RANKS_ROWS[0] == 0:
@@ -226,7 +226,9 @@ class ExpertSlots(nn.Module):
                             .validate(), self.layer)
 
 
-# > 0 while a framework loads a state_dict whose experts it then loads by logical id.
+# > 0 while a framework loads a state_dict whose experts it then loads by logical id (the
+# Lightning callback's load hooks): another rank's slot rows pass, and the layers that took
+# them set ``other_ranks_rows_loaded`` for the callback to check.
 _OTHER_RANKS_ROWS = [0]
 
 
@@ -236,19 +238,6 @@ def _saved_rank(state) -> int | None:
         return None
     S = int(state[2])
     return int(state[-1]) if state.numel() == 4 + 3 * S else None
-
-
-class allow_other_ranks_rows:
-    """Within it, a state_dict saved by another rank loads into the expert slots as it is (its
-    rows are wrong here); for a framework's resume that then loads every expert by logical id,
-    which checks ``layer.other_ranks_rows_loaded``."""
-
-    def __enter__(self):
-        _OTHER_RANKS_ROWS[0] += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _OTHER_RANKS_ROWS[0] -= 1
 
 
 def moe_layers(module: nn.Module) -> list[ExpertSlots]:
