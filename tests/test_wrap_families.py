@@ -67,8 +67,8 @@ def test_phimoe_router_subclassing_linear_is_served_exactly():
 def test_llama4_experts_on_every_token_are_refused_at_wrap():
     model = tiny_llama4()
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"feed_forward\.router .*Llama 4's layout.*"
-                                         r"LoadTracker\.record"):
+    with pytest.raises(ValueError, match=r"feed_forward\.experts \(Llama4TextExperts\).*"
+                                         r"Llama 4's layout.*mb\.attach\(model\)"):
         mb.wrap(model, mb.Topology.uniform(1, EXPERTS))
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
 
@@ -117,11 +117,20 @@ def test_phimoe_checkpoint_loads_expert_parallel_with_the_attention_asked_for(tm
                            torch_dtype=torch.float64)
 
 
-def test_llama4_routers_are_refused_by_attach_at_once():
+def test_llama4_routers_are_tracked_by_their_own_top_k():
     model = tiny_llama4()
-    with pytest.raises(ValueError, match=r"feed_forward\.router feeds experts that run every "
-                                         r"token.*LoadTracker\.record"):
-        mb.attach(model)
+    chosen = []
+    for layer in model.model.layers:      # our own hooks: the router's top-k of its logits
+        router = layer.feed_forward.router
+        router.register_forward_hook(lambda m, a, out: chosen.append(
+            torch.topk(out[1], m.top_k, dim=-1).indices))
+    tracker = mb.attach(model)
+    assert tracker.layer_names == [f"model.layers.{i}.feed_forward.router" for i in range(2)]
+    model(torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4)))
+    expected = torch.stack([torch.bincount(ids.reshape(-1), minlength=EXPERTS)
+                            for ids in chosen])
+    assert torch.equal(tracker.counts(), expected)
+    assert int(expected.sum()) == 2 * 2 * 9 * 1        # layers x tokens x top-1
 
 
 def test_longcat_identity_experts_are_not_counted_as_invalid_ids():

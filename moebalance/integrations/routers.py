@@ -8,6 +8,9 @@ Which modules count as routers:
   top_k_index [T,K])`` and the hook records ``top_k_index`` -- the experts the model actually
   used. Top-k is never recomputed from the logits: DeepSeek-V3 chooses with a bias correction and
   group limits that the logits do not show.
+* Llama 4's router (``TOPK_OF_LOGITS_ROUTERS``), which returns ``(scores, logits)`` and
+  chooses ``torch.topk(logits, top_k)``: the hook takes that choice again from the logits.
+  Its experts run every token, so :func:`moebalance.wrap` cannot serve them.
 * any module whose class sets ``moebalance_router = True`` (moebalance's own
   ``ExpertParallelMoE`` router does). Such a router must return the same triple and have an
   integer attribute ``num_experts``.
@@ -31,6 +34,10 @@ __all__ = ["find_routers", "attached_tracker", "attach", "moe_blocks", "ROUTER_C
 
 # Names a transformers MoE block gives its router (GPT-OSS: "router", the others: "gate").
 ROUTER_CHILD_NAMES = ("gate", "router")
+# Routers that return (scores, logits) and choose torch.topk(logits, top_k), whose experts run
+# every token (Llama 4): attach() counts that choice, taken again from the logits; wrap()
+# cannot serve their experts.
+TOPK_OF_LOGITS_ROUTERS = ("Llama4Router",)
 # Config fields that hold the number of routed experts, by model family.
 _CONFIG_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -65,7 +72,8 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
                     "use transformers>=5, or call LoadTracker.record(layer, topk_ids) from your "
                     "own code"
                 )
-            if structural and not marked and not _takes_routed_tokens(parent.experts):
+            if structural and not marked and not _takes_routed_tokens(parent.experts) \
+                    and type(child).__name__ not in TOPK_OF_LOGITS_ROUTERS:
                 raise ValueError(
                     f"{name} feeds experts that run every token for every expert (Llama 4's "
                     f"layout: {type(parent.experts).__name__}.forward(hidden)), and it returns no "
@@ -202,6 +210,11 @@ def _make_hook(tracker: LoadTracker, layer: int, name: str, identity: int = 0):
         # A forward replayed inside backward (activation checkpointing) was already counted.
         if torch._C._current_graph_task_id() != -1:
             return
+        if type(module).__name__ in TOPK_OF_LOGITS_ROUTERS and isinstance(output, tuple) \
+                and len(output) == 2:
+            # its own choice, made again on the same logits: top_k of router_logits [T, E]
+            tracker.record(layer, torch.topk(output[1], module.top_k, dim=-1).indices)
+            return
         if not (isinstance(output, (tuple, list)) and len(output) == 3
                 and isinstance(output[2], torch.Tensor)):
             raise ValueError(
@@ -234,8 +247,8 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
                     f"{block_name}.experts ({type(experts).__name__}) is called on every token "
                     f"for every expert, not as experts(hidden, top_k_index, top_k_weights) "
                     f"(Llama 4's layout); wrap() serves the blocks that route tokens (Mixtral, "
-                    f"Qwen, OLMoE, DeepSeek, GPT-OSS and alike) -- record this model's expert ids "
-                    f"with LoadTracker.record() and plan with mb.plan()")
+                    f"Qwen, OLMoE, DeepSeek, GPT-OSS and alike) -- track this model's loads with "
+                    f"mb.attach(model) and plan with mb.plan()")
             blocks.append((block_name, block, router))
     return blocks
 
