@@ -192,7 +192,7 @@ class Rebalancer:
         # accumulation (step() after each backward) that would drop the gradients accumulated
         # so far. The optimizer's steps and the layers' backward passes are counted by hooks:
         # step() acts once per optimizer step, and a migration commits only at a forward with
-        # no backward since the last optimizer step (at_boundary).
+        # no backward since the last optimizer step (_at_step_boundary).
         self._optimizer_steps = 0
         self._acted_at = -1            # the optimizer step step() last acted on
         self._backwards = 0            # backward passes through the layers' slots
@@ -373,14 +373,18 @@ class Rebalancer:
         log.info("moebalance: step %d re-plan: imbalance %.4f -> %.4f (per step %.4f -> %.4f), "
                  "%d moves, %.1f MB, plan %.1f ms", self.steps, before, after, steps_before,
                  steps_after, report["moves"], report["bytes"] / 1e6, planned_ms)
-        if self.blocking and (self.optimizer is None or
-                              self._backwards == self._backwards_at_step):
+        if self.blocking and (self.optimizer is None or self._at_step_boundary()):
             try:
                 migration.wait()
             except MigrationError:
                 pass                             # handled below, like a failure found later
             self._check_migration()
         return report
+
+    def _at_step_boundary(self) -> bool:
+        """No backward ran through the layers since the last optimizer step (the same on
+        every rank: they run the same micro-batches)."""
+        return self._backwards == self._backwards_at_step
 
     def _check_agreement(self, placement) -> None:
         if self.world_size == 1:
@@ -483,11 +487,10 @@ def _count_backward(ref: weakref.ref):
 
 
 def _at_boundary(ref: weakref.ref):
-    """A migration's commit gate: True when no backward ran since the last optimizer step (the
-    same on every rank: they run the same micro-batches)."""
+    """A migration's commit gate: :meth:`Rebalancer._at_step_boundary` (held weakly)."""
 
     def gate() -> bool:
         owner = ref()
-        return owner is None or owner._backwards == owner._backwards_at_step
+        return owner is None or owner._at_step_boundary()
 
     return gate

@@ -135,8 +135,7 @@ def check_family_arithmetic(blocks: list, group, world: int) -> None:
             error = family_arithmetic_error(f"{name}.experts", block.experts)
     if world > 1:
         verdict = [error]
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0)
-                                   if group is not None else 0, group=group)
+        dist.broadcast_object_list(verdict, group_src=0, group=group)
         error = verdict[0]
     if error is not None:
         raise ValueError(error)
