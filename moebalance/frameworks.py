@@ -136,12 +136,26 @@ def active_ddp(module: nn.Module):
 _checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def check_ddp(module: nn.Module):
+def check_ddp(module: nn.Module, group=None):
     """At a forward of ``module``: the DDP running it (or None), once it is known to leave the
-    expert slots alone. Raises RuntimeError (on every rank alike) when it holds them."""
+    expert slots alone and to average over the ranks of ``group``, the process group the
+    module's expert-parallel layers span (None: the default group). Raises RuntimeError (on
+    every rank alike) otherwise."""
     ddp = active_ddp(module)
     if ddp is None or _checked.get(ddp) is True:
         return ddp
+    ddp_ranks = dist.get_process_group_ranks(ddp.process_group)
+    layer_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if ddp_ranks != layer_ranks:
+        # Megatron's layout (expert-parallel groups, data parallel across them): DDP leaves the
+        # slots alone, so the experts of one group would never meet those of the others.
+        raise RuntimeError(
+            f"DistributedDataParallel averages over {len(ddp_ranks)} ranks but the "
+            f"expert-parallel layers span {len(layer_ranks)} (their group): moebalance keeps the "
+            "experts of a layer once over its group, and nothing would keep another group's "
+            "copies equal. Build the layers over the DDP's ranks (mb.wrap(model, topology) with "
+            "one device per rank of the job); the topology's slots give busy experts their "
+            "replicas")
     ignored = set(ddp.parameters_to_ignore)
     held = [name for name in slot_names(ddp.module)
             if not name.startswith(".") and name not in ignored]
@@ -194,6 +208,15 @@ def check_optimizer(model: nn.Module, optimizer) -> None:
     if optimizer is None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and any(
+            id(p) in held for _, layer in _slot_layers(model) for p in layer.slot_parameters()):
+        # It broadcasts every parameter from the one rank that updates it: one rank's expert
+        # slots would overwrite every other rank's (same shapes, nothing fails).
+        raise ValueError(
+            "optimizer is a ZeroRedundancyOptimizer over the expert slots: it broadcasts each "
+            "parameter from the rank that owns it, which would copy one rank's experts over "
+            "every other rank's. Give the slots a per-rank optimizer, e.g. "
+            "torch.optim.AdamW(model.parameters())")
     missing = [f"{prefix}.{name}" if prefix else name
                for prefix, layer in _slot_layers(model)
                for name, p in layer.named_slot_parameters()

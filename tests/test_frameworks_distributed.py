@@ -160,6 +160,30 @@ def expert_parallel_layer_in_ddp_averages_like_ddp():
                                    msg=lambda m: f"{name}: {m}")
 
 
+def ddp_over_more_ranks_than_the_expert_groups_is_refused():
+    # Megatron's layout: expert-parallel groups of 2, a DDP over all 4 ranks around them. DDP
+    # leaves the slots alone, so the groups' experts would train apart: refused at the first
+    # forward on every rank, before any row moves.
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    message = "averages over 4 ranks but the expert-parallel layers span 2"
+    layer = mb.ExpertParallelMoE(16, 32, 8, 2, random_placement(5, 8, [5, 5]), group=mine,
+                                 seed=3).double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=message):
+        DDP(mb.exclude_experts_from_ddp(nn.Sequential(nn.Linear(16, 16).double(), layer)))(x)
+    model = mb.wrap(unseeded_model(), mb.Topology.uniform(num_devices=2, slots_per_device=5),
+                    group=mine)
+    ids = batch(0)
+    with pytest.raises(RuntimeError, match=message):
+        DDP(mb.exclude_experts_from_ddp(Outer(model)))(input_ids=ids, labels=ids)
+    # Over the DDP's own ranks the same layer trains.
+    layer = mb.ExpertParallelMoE(16, 32, 8, 2, random_placement(5, 8, SLOTS), seed=3).double()
+    DDP(mb.exclude_experts_from_ddp(nn.Sequential(nn.Linear(16, 16).double(), layer)))(x) \
+        .sum().backward()
+
+
 def optimizer_built_before_wrap_is_refused():
     model = unseeded_model()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -167,6 +191,13 @@ def optimizer_built_before_wrap_is_refused():
     with pytest.raises(ValueError, match="create the optimizer after mb.wrap"):
         mb.Rebalancer(model, TOPOLOGY, optimizer, every=2)
     mb.Rebalancer(model, TOPOLOGY, torch.optim.AdamW(model.parameters()), every=2)
+    # ZeroRedundancyOptimizer broadcasts each parameter from its owner: one rank's slots would
+    # overwrite the others'. Refused; over the dense parameters alone it is the user's choice.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="ZeroRedundancyOptimizer over the expert slots"):
+        mb.Rebalancer(model, TOPOLOGY, zero, every=2)
 
 
 def model_save_pretrained_raises_before_writing():
@@ -194,6 +225,7 @@ CASES = [wrap_starts_every_rank_from_rank0_weights,
          ddp_averages_dense_and_leaves_experts_alone_same_losses,
          ddp_of_an_outer_module_needs_the_exclusion_or_raises,
          expert_parallel_layer_in_ddp_averages_like_ddp,
+         ddp_over_more_ranks_than_the_expert_groups_is_refused,
          optimizer_built_before_wrap_is_refused,
          model_save_pretrained_raises_before_writing,
          per_rank_clipping_warns_once]

@@ -357,7 +357,7 @@ def _install(model: nn.Module, blocks: list, placement: Placement, topology: Top
         slot_ids = {id(p) for layer in moe_layers(model) for p in layer.slot_parameters()}
         dense = [p for p in model.parameters() if id(p) not in slot_ids]
         model.moebalance_sync = GradientSync(group, None, (), dense, scale=scale)
-        model.register_forward_pre_hook(_DDPFollower(model, grad_scale))
+        model.register_forward_pre_hook(_DDPFollower(model, grad_scale, group))
     # The model's own save_pretrained would write slots, not experts: write the plain model on
     # one rank, refuse before writing anything on several.
     model.save_pretrained = _SavePretrained(model, world)
@@ -376,12 +376,13 @@ class _DDPFollower:
     """Forward pre-hook: under a DDP that leaves the slots alone, DDP averages the dense
     gradients and the model's own dense sync steps aside; without one, it runs."""
 
-    def __init__(self, model: nn.Module, grad_scale: str) -> None:
+    def __init__(self, model: nn.Module, grad_scale: str, group) -> None:
         self.model = weakref.ref(model)
         self.grad_scale = grad_scale
+        self.group = group
 
     def __call__(self, module, args):
-        ddp = check_ddp(module)
+        ddp = check_ddp(module, self.group)
         if ddp is not None and self.grad_scale == "sum":
             raise ValueError("wrap(grad_scale='sum') sums gradients over the ranks but the "
                              "DistributedDataParallel around this model averages them: wrap "

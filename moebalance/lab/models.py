@@ -136,7 +136,7 @@ class MoELanguageModel(nn.Module):
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         if self._sync is not None:
             # Under a DDP (which must leave the experts alone) DDP averages these instead.
-            self._sync.group_enabled = check_ddp(self) is None
+            self._sync.group_enabled = check_ddp(self, self.blocks[0].moe.dispatcher.group) is None
         x = self.embed(ids_BT)
         for block in self.blocks:
             x = block(x)

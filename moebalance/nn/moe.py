@@ -472,7 +472,7 @@ class ExpertParallelMoE(ExpertSlots):
     def _follow_ddp(self) -> None:
         """Under a DDP (checked to leave the slots alone) the router is DDP's to average, and
         the expert gradients follow DDP's mean over the ranks; without one, this layer sums."""
-        ddp = check_ddp(self)
+        ddp = check_ddp(self, self.dispatcher.group)
         if self._sync is not None:
             self._sync.group_enabled = ddp is None
             self._sync.scale = 1.0 / self.dispatcher.world_size if ddp is not None else 1.0
