@@ -184,6 +184,25 @@ def ddp_over_more_ranks_than_the_expert_groups_is_refused():
         .sum().backward()
 
 
+def fully_shard_after_wrap_is_refused():
+    # FSDP2 swaps every parameter for its shard, and for the gathered tensor during forward: the
+    # ranks' slots would be gathered as if they were one tensor. Refused at the first forward on
+    # every rank; before wrap, wrap itself refuses the sharded model.
+    from torch.distributed.fsdp import fully_shard
+
+    ids = batch(0)
+    # A deepcopy (a reference model, an EMA) holds its own slots and runs.
+    wrapped = mb.wrap(unseeded_model(), TOPOLOGY)
+    with torch.no_grad():
+        torch.testing.assert_close(copy.deepcopy(wrapped)(input_ids=ids).logits,
+                                   wrapped(input_ids=ids).logits, rtol=0, atol=0)
+    model = fully_shard(mb.wrap(unseeded_model(), TOPOLOGY))
+    with pytest.raises(RuntimeError, match="as FSDP's fully_shard does"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match="sharded wrappers"):
+        mb.wrap(fully_shard(unseeded_model()), TOPOLOGY)
+
+
 def optimizer_built_before_wrap_is_refused():
     model = unseeded_model()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -226,6 +245,7 @@ CASES = [wrap_starts_every_rank_from_rank0_weights,
          ddp_of_an_outer_module_needs_the_exclusion_or_raises,
          expert_parallel_layer_in_ddp_averages_like_ddp,
          ddp_over_more_ranks_than_the_expert_groups_is_refused,
+         fully_shard_after_wrap_is_refused,
          optimizer_built_before_wrap_is_refused,
          model_save_pretrained_raises_before_writing,
          per_rank_clipping_warns_once]

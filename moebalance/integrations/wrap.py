@@ -280,7 +280,8 @@ def _check_wrap(model: nn.Module, topology: Topology, group, placement: Placemen
         raise TypeError(f"topology must be a moebalance.Topology, got {type(topology).__name__}")
     outer = next((m for m in model.modules()
                   if isinstance(m, nn.parallel.DistributedDataParallel)
-                  or type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule")), None)
+                  or any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule")
+                         for c in type(m).__mro__)), None)
     if outer is not None:
         raise ValueError(
             f"the model is inside a {type(outer).__name__}, built before wrap(): it holds the "

@@ -117,6 +117,9 @@ class ExpertSlots(nn.Module):
         # Slot rows differ per rank: any DDP around this layer must leave them alone.
         exclude_experts_from_ddp(self)
         mark_slot_parameters(self.slot_parameters())
+        # The gradient sync over the ranks holds these very tensors (a plain list: a deepcopy of
+        # the layer maps it to the copy's own).
+        self._slot_held = self.slot_parameters() if self._sync is not None else []
 
     def _set_placement(self, placement: Placement, layer: int) -> None:
         """Adopt ``placement`` for routing and gradient sync (slot storage keeps its shape)."""
@@ -149,7 +152,17 @@ class ExpertSlots(nn.Module):
         return self._exchange.bytes_sent(self.slot_parameters())
 
     def _commit_pending(self) -> None:
-        """Before this layer's first forward after a boundary: put its staged rows in place."""
+        """Before this layer's first forward after a boundary: put its staged rows in place.
+        Raises RuntimeError first if the slot parameters are no longer the layer's own."""
+        if any(held is not p for held, p in zip(self._slot_held, self.slot_parameters())):
+            # FSDP's fully_shard swaps every parameter for its shard (and, during forward, for
+            # the gathered tensor): the ranks' slots would be mixed as if they were one tensor.
+            raise RuntimeError(
+                f"the expert slot parameters of {type(self).__name__} (layer {self.layer}) are not "
+                "the tensors it was built with: something replaced them, as FSDP's fully_shard "
+                "does. Sharded data parallelism is not supported (each rank's slots hold other "
+                "experts); leave the model unsharded or wrap it in DistributedDataParallel, and "
+                "load checkpoints without assign=True (mb.checkpoint.load, or load_state_dict)")
         migration = self._pending
         if migration is None:
             return
