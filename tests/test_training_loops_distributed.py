@@ -371,3 +371,27 @@ def test_hf_callback_refuses_a_resume_without_its_state_file(tmp_path):
                        match=r"moebalance_state\.pt .*checkpoint-5.*mb\.from_pretrained"):
         callback.on_train_begin(SimpleNamespace(max_grad_norm=1.0, output_dir=str(tmp_path)),
                                 SimpleNamespace(global_step=5), SimpleNamespace(), model=None)
+
+
+def test_hf_callback_refuses_fsdp_and_deepspeed_at_once(tmp_path):
+    """Under torchrun the Trainer shards the model with fsdp= or deepspeed=, mixing the ranks'
+    expert slots: the callback refuses when the Trainer is built, and again at train begin (a
+    callback added later)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from moebalance.integrations.hf import RebalanceTrainerCallback
+
+    callback = RebalanceTrainerCallback(mb.Topology.uniform(num_devices=1, slots_per_device=4))
+    sharded = TrainingArguments(output_dir=str(tmp_path), report_to=[], fsdp=True)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=\.\.\.\) shards"):
+        callback.on_init_end(sharded, SimpleNamespace(), SimpleNamespace())
+    with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=\.\.\.\) shards"):
+        callback.on_train_begin(sharded, SimpleNamespace(global_step=0), SimpleNamespace())
+    with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed=\.\.\.\) shards"):
+        callback.on_init_end(SimpleNamespace(fsdp=None, deepspeed="ds.json"), SimpleNamespace(),
+                             SimpleNamespace())
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    callback.on_init_end(plain, SimpleNamespace(), SimpleNamespace())

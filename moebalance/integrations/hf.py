@@ -97,7 +97,24 @@ class RebalanceTrainerCallback(TrainerCallback):
             flow = [i for i, c in enumerate(callbacks) if type(c).__name__ == "DefaultFlowCallback"]
             callbacks.insert(flow[0] + 1 if flow else 0, self)
 
+    @staticmethod
+    def _refuse_sharding(args) -> None:
+        """FSDP and DeepSpeed shard every parameter as one tensor over the ranks: the expert
+        slots, which hold other experts on every rank, would be mixed."""
+        sharding = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
+        if sharding:
+            raise ValueError(
+                f"RebalanceTrainerCallback: TrainingArguments({sharding[0]}=...) shards the "
+                "model's parameters over the ranks, and the expert slots hold other experts on "
+                "every rank. Train without fsdp/deepspeed: the Trainer's DistributedDataParallel "
+                "under torchrun works")
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._refuse_sharding(args)
+        return control
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._refuse_sharding(args)
         # A resumed Trainer has loaded rank 0's experts and optimizer state on every rank.
         saved = (self._saved_state(_resumed_folder(args, state), "resuming transformers.Trainer "
                                    f"at step {state.global_step}")
