@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import moebalance as mb
 from moebalance.integrations.wrap import unwrap_state_dict
 from moebalance.lab.models import tiny_hf_moe
+from moebalance.nn import slots
 from moebalance.nn.slots import moe_layers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -168,8 +169,10 @@ def ddp_over_more_ranks_than_the_expert_groups_is_refused():
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = pairs[rank // 2]
     message = "averages over 4 ranks but the expert-parallel layers span 2"
-    layer = mb.ExpertParallelMoE(16, 32, 8, 2, random_placement(5, 8, [5, 5]), group=mine,
-                                 seed=3).double()
+    slots._warned_subgroup = False
+    with pytest.warns(UserWarning, match="span 2 of the job's 4 ranks"):
+        layer = mb.ExpertParallelMoE(16, 32, 8, 2, random_placement(5, 8, [5, 5]), group=mine,
+                                     seed=3).double()
     x = torch.randn(6, 16, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=message):
         DDP(mb.exclude_experts_from_ddp(nn.Sequential(nn.Linear(16, 16).double(), layer)))(x)

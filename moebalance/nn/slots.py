@@ -19,6 +19,7 @@ Legend: L layers of the placement, S global slots, Ls slots on this rank, E logi
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from abc import abstractmethod
 
@@ -54,6 +55,27 @@ def _read_only(name: str) -> property:
             "a model)")
 
     return property(get, refuse, doc=f"The layer's current {name} (read-only).")
+
+
+_warned_subgroup = False
+
+
+def _warn_if_subgroup(group_size: int) -> None:
+    """Warn once per process when expert-parallel layers span fewer ranks than the job: the
+    layout of expert-parallel groups with data parallelism across them, whose groups' experts
+    moebalance would not keep equal (a DDP over the whole job is refused at its first forward)."""
+    global _warned_subgroup
+    if _warned_subgroup or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if group_size < world:
+        _warned_subgroup = True
+        warnings.warn(
+            f"moebalance: these expert-parallel layers span {group_size} of the job's {world} "
+            "ranks. Their experts are kept equal within that group only: ranks outside it that "
+            "train the same model (expert-parallel groups with data parallelism across them) "
+            "would train their experts apart. Build the layers over every rank of the job (one "
+            "device per rank), unless the other ranks stay out of training", stacklevel=3)
 
 
 class ExpertSlots(nn.Module):
@@ -117,6 +139,7 @@ class ExpertSlots(nn.Module):
         # Slot rows differ per rank: any DDP around this layer must leave them alone.
         exclude_experts_from_ddp(self)
         mark_slot_parameters(self.slot_parameters())
+        _warn_if_subgroup(self.dispatcher.world_size)
         # The gradient sync over the ranks holds these very tensors (a plain list: a deepcopy of
         # the layer maps it to the copy's own).
         self._slot_held = self.slot_parameters() if self._sync is not None else []
