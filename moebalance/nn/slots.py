@@ -177,8 +177,8 @@ class ExpertSlots(nn.Module):
     def _commit_pending(self) -> None:
         """Before this layer's first forward after a boundary: put its staged rows in place.
         Raises RuntimeError first if the slot parameters are no longer the layer's own."""
-        if any(held is not p for held, p in zip(getattr(self, "_slot_held", ()),
-                                                self.slot_parameters())):
+        held = getattr(self, "_slot_held", ())      # empty on one rank: nothing to check
+        if held and any(h is not p for h, p in zip(held, self.slot_parameters())):
             # FSDP's fully_shard swaps every parameter for its shard (and, during forward, for
             # the gathered tensor): the ranks' slots would be mixed as if they were one tensor.
             raise RuntimeError(
