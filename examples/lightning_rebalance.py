@@ -109,7 +109,8 @@ def main() -> None:
         args.steps, args.every = 4, 2
     if args.steps < 1 or args.every < 1:
         parser.error("--steps and --every must be >= 1")
-    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family))
+    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family),
+           preload=("lightning",))
 
 
 if __name__ == "__main__":

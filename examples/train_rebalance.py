@@ -340,7 +340,12 @@ def main() -> None:
         args.steps, args.every = 6, 3
     if args.steps < 1 or args.every < 1:
         parser.error("--steps and --every must be >= 1")
-    launch(worker, TOPOLOGY.num_devices, args=(args.loop, args.steps, args.every, args.out))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # before training, not after it
+    # The frameworks' imports, once before the ranks fork instead of once per rank.
+    frameworks = {"lightning": ["lightning"], "hf": ["transformers.trainer"]}
+    preload = [m for loop, mods in frameworks.items() if args.loop in (loop, "all") for m in mods]
+    launch(worker, TOPOLOGY.num_devices, args=(args.loop, args.steps, args.every, args.out),
+           preload=tuple(preload))
 
 
 if __name__ == "__main__":

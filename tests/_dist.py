@@ -1,4 +1,4 @@
-"""Run the torch.distributed test cases of every test file in ONE spawn of gloo worker processes.
+"""Run the torch.distributed test cases of every test file in ONE set of gloo worker processes.
 
 Spawning ranks costs seconds (each imports torch, transformers, ...), so the whole session shares
 one spawn per world size. A test module lists its cases -- module-level functions that take no
@@ -104,8 +104,12 @@ def _run_group(group: Group, rank: int, init_file: str, record) -> None:
             dist.destroy_process_group()
 
 
-def _worker(rank: int, groups: list, tmp: str) -> None:
+def _worker(rank: int, groups: list, tmp: str, environ: dict) -> None:
     import torch
+
+    # Forked from the fork server: take the parent's environment, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(environ)
 
     # Ranks share few cores: one thread each keeps them from starving one another.
     torch.set_num_threads(1)
@@ -183,12 +187,25 @@ class _Spawn:
     asked: int = -1              # index of the last group the ranks were told to run
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        world_size = self.groups[0].world_size
-        self.procs = [ctx.Process(target=_worker, daemon=True, args=(rank, self.groups, self.tmp))
-                      for rank in range(world_size)]
-        for p in self.procs:
-            p.start()
+        # The ranks fork from one server that imported the cases' modules (torch, transformers,
+        # Lightning) once, instead of each rank importing them again. Its OpenMP is sized to the
+        # ranks' one thread before it loads: forked from a default-sized one, ranks spin.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "moebalance",
+                                    *sorted({c.__module__ for g in self.groups for c in g.cases})])
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+        saved = dict(os.environ)
+        os.environ.update(environ)
+        try:
+            world_size = self.groups[0].world_size
+            self.procs = [ctx.Process(target=_worker, daemon=True,
+                                      args=(rank, self.groups, self.tmp, environ))
+                          for rank in range(world_size)]
+            for p in self.procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def _states(self) -> list:
         states = []
