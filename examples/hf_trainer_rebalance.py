@@ -106,7 +106,8 @@ def main() -> None:
         args.steps, args.every = 4, 2
     if args.steps < 1 or args.every < 1:
         parser.error("--steps and --every must be >= 1")
-    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family, args.out))
+    launch(worker, TOPOLOGY.num_devices, args=(args.steps, args.every, args.family, args.out),
+           preload=("transformers.trainer",))
 
 
 if __name__ == "__main__":

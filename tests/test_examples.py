@@ -10,8 +10,8 @@ the launchers are split between the examples that run every loop:
   ``L.Trainer(devices=4, strategy="ddp")`` train alike (fp32) in the spawned ranks;
 * ``frameworks_agree`` under torchrun: the same four loops, fp64, equal losses to 1e-9, each
   framework finding torchrun's ranks (the HF Trainer with its own DDP);
-* ``hf_trainer_rebalance`` under torchrun (it hands the Trainer every rank's rows to shard),
-  ``lightning_rebalance`` spawned (it sets LOCAL_RANK so Lightning joins the spawned ranks).
+* ``hf_trainer_rebalance`` and ``lightning_rebalance`` spawned (the Trainer's sampler shards the
+  rows it is handed; the Lightning example sets LOCAL_RANK so Lightning joins the spawned ranks).
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ LAUNCHES = {
     "test_train_rebalance_example_every_loop_trains_alike_spawned": [
         _example("train_rebalance", "train_rebalance.py",
                  ["--quick", "--loop", "all", "--out", "{out}/s.png"], 22, torchrun=False)],
-    "test_hf_trainer_example_trains_under_torchrun": [
-        _example("hf", "hf_trainer_rebalance.py", ["--quick", "--out", "{out}/torchrun"], 15,
-                 torchrun=True)],
+    "test_hf_trainer_example_trains_spawned": [
+        _example("hf", "hf_trainer_rebalance.py", ["--quick", "--out", "{out}/model"], 12,
+                 torchrun=False)],
     "test_lightning_example_trains_spawned": [
         _example("lightning", "lightning_rebalance.py", ["--quick"], 17, torchrun=False)],
     "test_frameworks_example_every_framework_trains_alike_under_torchrun": [
@@ -123,15 +123,15 @@ def test_train_rebalance_example_every_loop_trains_alike_spawned(launches):
 
 @pytest.mark.distributed
 @needs_hf
-def test_hf_trainer_example_trains_under_torchrun(launches):
-    # Under torchrun the Trainer's DDP averages the dense part and its sampler shards the rows the
-    # example hands it (every rank's); that each loop trains alike is checked by
-    # train_rebalance --loop all (spawned) and frameworks_agree (under torchrun).
+def test_hf_trainer_example_trains_spawned(launches):
+    # The Trainer's DDP averages the dense part and its sampler shards the rows the example hands
+    # it (every rank's), in the spawned ranks; under torchrun the Trainer finds torchrun's ranks
+    # in frameworks_agree, and every loop trains alike in train_rebalance --loop all.
     out = launches.output("hf")
     assert len(_mean_losses(out)) == 1
     assert "re-plan:" in out and "what rebalancing bought: per-step imbalance" in out
-    assert (launches.folder("hf") / "torchrun" / "config.json").is_file()
-    assert (launches.folder("hf") / "torchrun" / "moebalance_placement.npz").is_file()
+    assert (launches.folder("hf") / "model" / "config.json").is_file()
+    assert (launches.folder("hf") / "model" / "moebalance_placement.npz").is_file()
 
 
 @pytest.mark.distributed
