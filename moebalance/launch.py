@@ -65,6 +65,7 @@ def _start_method(backend: str, threads: int | None, fn: Callable, preload: tupl
         modules = ["__main__", "torch", "torch._dynamo", "moebalance", *preload]
         if fn.__module__ not in ("__main__", "__mp_main__"):
             modules.append(fn.__module__)
+        modules.append("moebalance._fork_ready")
         mp.get_context("forkserver").set_forkserver_preload(modules)
         _server_threads = pools
     elif pools != _server_threads:
@@ -111,6 +112,12 @@ def _run(rank: int, world_size: int, init_method: str | None, backend: str, time
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, **kwargs)
+    if caller is None:
+        # What the imports made (torch, transformers: millions of objects) lives as long as the
+        # rank: left out of the collector's scans, full collections stop walking it at every
+        # step. A forked rank has it frozen already, by the server (_fork_ready).
+        gc.collect()
+        gc.freeze()
     try:
         result = fn(dist.get_rank(), dist.get_world_size(), *args)
         dist.barrier()    # no rank tears its group down while a peer may still talk to it

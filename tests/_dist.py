@@ -188,24 +188,18 @@ class _Spawn:
 
     def start(self) -> None:
         # The ranks fork from one server that imported the cases' modules (torch, transformers,
-        # Lightning) once, instead of each rank importing them again. Its OpenMP is sized to the
-        # ranks' one thread before it loads: forked from a default-sized one, ranks spin.
+        # Lightning) once, instead of each rank importing them again (see _one_thread.py).
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "moebalance",
-                                    *sorted({c.__module__ for g in self.groups for c in g.cases})])
+        ctx.set_forkserver_preload(["_one_thread", "torch", "torch._dynamo", "moebalance",
+                                    *sorted({c.__module__ for g in self.groups for c in g.cases}),
+                                    "moebalance._fork_ready"])
         environ = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-        saved = dict(os.environ)
-        os.environ.update(environ)
-        try:
-            world_size = self.groups[0].world_size
-            self.procs = [ctx.Process(target=_worker, daemon=True,
-                                      args=(rank, self.groups, self.tmp, environ))
-                          for rank in range(world_size)]
-            for p in self.procs:
-                p.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        world_size = self.groups[0].world_size
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(rank, self.groups, self.tmp, environ))
+                      for rank in range(world_size)]
+        for p in self.procs:
+            p.start()
 
     def _states(self) -> list:
         states = []
