@@ -170,6 +170,9 @@ class SpeedTracker:
         window: ...at each of the last ``window`` steps (ordinary jitter does not persist).
             With the defaults (0, 1) any change lets the saving-versus-price test decide.
         horizon: steps a new placement is expected to serve (the saving is counted over them).
+        warmup: steps whose timings :meth:`step` leaves out when this process starts (or resumes):
+            a first step allocates, compiles and faults memory in, unevenly across ranks, and
+            its time says nothing of the device's speed.
         move_price_s: seconds one expert move costs the job; None: the seconds per move of the
             Rebalancer's last finished migration (an upper bound: live migrations overlap the
             steps), 0 before the first.
@@ -181,7 +184,8 @@ class SpeedTracker:
     """
 
     def __init__(self, every: int = 10, *, smoothing: float = 0.3, min_change: float = 0.0,
-                 window: int = 1, horizon: int = 100, move_price_s: float | None = None) -> None:
+                 window: int = 1, horizon: int = 100, move_price_s: float | None = None,
+                 warmup: int = 1) -> None:
         self.every = positive_int(every, "every")
         self.smoothing = _fraction(smoothing, "smoothing")
         self.min_change = float(min_change)
@@ -189,6 +193,10 @@ class SpeedTracker:
             raise ValueError(f"min_change must be a fraction >= 0 (e.g. 0.1), got {min_change!r}")
         self.window = positive_int(window, "window")
         self.horizon = positive_int(horizon, "horizon")
+        if not isinstance(warmup, (int, np.integer)) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup must be a number of steps >= 0, got {warmup!r}")
+        self.warmup = int(warmup)
+        self._warmed = 0                               # steps left out in this process so far
         if move_price_s is not None and not (np.isfinite(move_price_s) and move_price_s >= 0):
             raise ValueError(f"move_price_s must be seconds >= 0 or None, got {move_price_s!r}")
         self.move_price_s = None if move_price_s is None else float(move_price_s)
@@ -220,7 +228,11 @@ class SpeedTracker:
         """Close a step: keep this rank's finished timings; every ``every`` steps exchange them
         (a collective on every rank of ``group``) and update the smoothed speeds."""
         self.steps += 1
-        self._local.append(self.timer.collect())
+        timings = self.timer.collect()
+        if self._warmed < self.warmup:
+            self._warmed += 1
+        else:
+            self._local.append(timings)
         if self.steps % self.every == 0:
             self.exchange(group)
 
@@ -365,6 +377,7 @@ class SpeedTracker:
                           maxlen=self.window)
         self.decisions = [dict(d) for d in state.get("decisions", [])]
         self._local = []
+        self._warmed = 0             # the resumed process warms up again
 
     def __repr__(self) -> str:
         speed = None if self.speed is None else np.round(self.relative(), 3).tolist()

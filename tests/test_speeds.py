@@ -39,6 +39,26 @@ def test_tracker_smooths_each_rank_exponentially():
     assert_close(tracker.expert_s, (1 + 2 + 2) / 3)
 
 
+def _timed_steps(tracker, steps):
+    x = torch.randn(64, 32)
+    for _ in range(steps):
+        tracker.timer.end(tracker.timer.begin(x) @ torch.randn(32, 32))
+        tracker.step()
+
+
+@pytest.mark.parametrize("warmup,kept", [(0, 3), (1, 2), (2, 1)])
+def test_tracker_leaves_out_the_first_steps_of_each_process(warmup, kept):
+    # A first step allocates and faults memory in, unevenly across ranks: its time is not speed.
+    tracker = SpeedTracker(every=3, smoothing=1.0, warmup=warmup)
+    _timed_steps(tracker, 3)
+    assert len(tracker.history) == kept and tracker.steps == 3
+    # A resumed process warms up again (the state keeps the last ``window`` = 1 speeds).
+    resumed = SpeedTracker(every=3, smoothing=1.0, warmup=warmup)
+    resumed.load_state_dict(tracker.state_dict())
+    _timed_steps(resumed, 3)
+    assert resumed.steps == 6 and len(resumed.history) == 1 + kept
+
+
 def test_tracker_keeps_a_rank_speed_through_untimed_steps():
     tracker = SpeedTracker(smoothing=1.0)
     tracker.update(figures([[0, 10, 10], [10, 10, 30]], [[0, 1, 1], [1, 1, 1]]))
@@ -97,6 +117,8 @@ def test_tracker_rejects_bad_settings():
         SpeedTracker(min_change=-0.1)
     with pytest.raises(ValueError, match="window"):
         SpeedTracker(window=0)
+    with pytest.raises(ValueError, match="warmup must be a number of steps >= 0"):
+        SpeedTracker(warmup=-1)
     with pytest.raises(ValueError, match="move_price_s"):
         SpeedTracker(move_price_s=-1.0)
     with pytest.raises(ValueError, match="no speeds measured"):
