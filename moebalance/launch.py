@@ -47,6 +47,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _modules(preload) -> tuple:
+    """``preload`` as a tuple of names of installed modules, or a ValueError naming the fix."""
+    preload = (preload,) if isinstance(preload, str) else tuple(preload)
+    for name in preload:
+        try:
+            found = isinstance(name, str) and importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"preload names {name!r}, which is not an installed module: name "
+                             f"modules every rank imports, e.g. preload=('lightning',)")
+    return preload
+
+
 # The thread settings the fork server was started with: its children inherit what it imported.
 _server_threads: dict | None = None
 
@@ -156,6 +170,7 @@ def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str 
             gloo ranks fork rather than once per rank.
     """
     world_size = positive_int(world_size, "world_size")
+    preload = _modules(preload)
     if under_torchrun():
         _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, backend, timeout_s,
              threads, fn, args)
@@ -169,7 +184,6 @@ def launch(fn: Callable, world_size: int = 4, *, args: tuple = (), backend: str 
         for name in _THREAD_VARIABLES:
             os.environ.setdefault(name, str(threads))
     try:
-        preload = (preload,) if isinstance(preload, str) else tuple(preload)
         method = _start_method(backend, threads, fn, preload)
         caller = (dict(os.environ), _CallerStdio()) if method == "forkserver" else None
         mp.start_processes(_run, nprocs=world_size, join=True, start_method=method,

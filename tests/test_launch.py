@@ -43,3 +43,9 @@ def test_ranks_that_must_not_fork_are_spawned():
     # its default size in the server leaves forked ranks spinning.
     assert _start_method("nccl", 1, _report, ()) == "spawn"
     assert _start_method("gloo", None, _report, ()) == "spawn"
+
+
+@pytest.mark.parametrize("preload", [("lightnig",), ("no_such_package.sub",), (3,)])
+def test_a_preload_that_is_not_a_module_is_refused_before_any_rank_starts(preload):
+    with pytest.raises(ValueError, match="preload names .* which is not an installed module"):
+        launch(_report, 2, args=("x",), preload=preload)
