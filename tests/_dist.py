@@ -1,9 +1,10 @@
 """Run the torch.distributed test cases of every test file in ONE set of gloo worker processes.
 
-Spawning ranks costs seconds (each imports torch, transformers, ...), so the whole session shares
-one spawn per world size. A test module lists its cases -- module-level functions that take no
-arguments and run on every rank with the default process group initialised -- and registers them
-as its group; each case is reported as its own pytest test::
+Starting ranks costs seconds (torch, transformers, ... to import), so the whole session shares one
+set of ranks per world size, forked from a server that imported them once. A test module lists
+its cases -- module-level functions that take no arguments and run on every rank with the
+default process group initialised -- and registers them as its group; each case is reported as
+its own pytest test::
 
     CASES = [outputs_match_dense, replicas_identical_after_step, ...]
 
