@@ -198,6 +198,9 @@ def measure_run(cfg: dict) -> dict:
 
 
 def _worker(rank: int, world: int, cfg: dict, result_path: str) -> None:
+    from .simcheck import steady_allocator
+
+    steady_allocator()
     measured = measure_run(cfg)
     runs = {}
     for name, track in (("fixed topology", False), ("speed tracking", True)):
