@@ -96,6 +96,14 @@ def warm_up(progress: Callable[[str], None] | None = None,
 
         table = replica_table(plan(w[:1, :3].copy(), Topology.uniform(2, 2), backend="numba"), 0)
         resplit_shares(torch.ones(3), table.share_EX, resplit_plan(table, [1.0, 1.0]))
+        # A layer with transient slots (transient=K) chooses its copies at every step, with
+        # the dispatcher's host arrays: the first step would compile the rule.
+        from .dispatch.transient import TransientRouting
+
+        routing = TransientRouting(*(t.numpy() for t in (table.slots_EX, table.device_EX,
+                                                         table.share_EX)),
+                                   np.array([0, 2, 4]), 1, [1.0, 1.0], [0, 0], 1.0)
+        routing.choose(np.array([[40, 1, 1], [40, 1, 1]], dtype=np.int64))
 
     for name, part in (("planner", planner), ("rebalance_experts", drop_in),
                        ("dispatch", dispatch)):

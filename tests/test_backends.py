@@ -228,6 +228,30 @@ def test_after_warm_up_a_rebalancers_replan_compiles_nothing():
     assert specialisations() == before
 
 
+@pytest.mark.skipif(not has_numba(), reason="needs Numba")
+def test_after_warm_up_a_layers_transient_copies_compile_nothing():
+    """A layer built with transient=K chooses its copies at each step with the dispatcher's
+    host arrays: after warm_up its first step finds the rule compiled."""
+    import moebalance as mb
+    from moebalance.dispatch.routing import replica_table
+    from moebalance.dispatch.transient import TransientRouting
+    from moebalance.planner import _jit
+
+    def specialisations() -> int:
+        return sum(len(k.signatures) for k in vars(_jit.kernels("numba")).values())
+
+    mb.warm_up(parts=["dispatch"])
+    topology = mb.Topology.from_arrays([1.0, 1.0, 0.5], [2, 2, 3], [0, 0, 1])
+    table = replica_table(mb.plan(np.ones((1, 6)), topology), 0)
+    routing = TransientRouting(table.slots_EX.numpy(), table.device_EX.numpy(),
+                               table.share_EX.numpy(), np.array([0, 2, 4, 7]), 2,
+                               topology.speed, topology.node, 0.5)
+    before = specialisations()
+    step, *_ = routing.choose(np.array([[90, 1, 1, 1, 1, 1]] * 3, dtype=np.int64))
+    assert step is not None and step.num_copies >= 1        # the rule ran through to a copy
+    assert specialisations() == before
+
+
 def test_warm_up_of_some_parts_leaves_the_others_and_names_a_bad_part():
     import moebalance as mb
 

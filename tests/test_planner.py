@@ -511,7 +511,8 @@ def test_best_swap_equals_a_plain_scan_of_every_pair(rng, backend):
         E = int(rng.integers(int(topo.slots.max()), topo.num_slots + 1))
         w = np.round(rng.lognormal(3.0, 1.0, E))  # rounded, so that ties occur
         p = mb.plan(w * rng.lognormal(0.0, 0.5, E), topo)
-        phy2log, share = p.phy2log[0], p.share[0]
+        # writable, as the repair's working arrays are (Numba compiles read-only apart)
+        phy2log, share = p.phy2log[0].copy(), p.share[0].copy()
         load = k.device_loads(w, core.devices_of(topo), phy2log, share)
         room = w.sum() / topo.speed.sum() * topo.speed - load
         tiny = 1e-12 * (load.sum() + 1.0)

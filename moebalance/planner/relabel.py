@@ -137,6 +137,10 @@ def relabel_to(k, phy2log, share, previous, topology: Topology, layers=None):
     prev_p = previous.phy2log
     if layers is not None:
         phy2log, share, prev_p = phy2log[layers], share[layers], prev_p[layers]
+    # Writable arrays whatever the caller passes (a Placement's are read-only): Numba compiles
+    # read-only and writable arguments apart, and each form would cost a job its own compile.
+    phy2log, prev_p = (np.require(a, np.int64, ("C", "W")) for a in (phy2log, prev_p))
+    share = np.require(share, np.float64, ("C", "W"))
     L = phy2log.shape[0]
     target = np.tile(np.arange(topology.num_devices, dtype=np.int64), (L, 1))
     classes = device_classes(topology)
