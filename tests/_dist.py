@@ -56,6 +56,7 @@ class Group:
     world_size: int
     timeout_s: float
     collective_timeout_s: float
+    preload: tuple = ()
 
 
 # Every group registered by an imported test module, by module name.
@@ -188,10 +189,14 @@ class _Spawn:
     asked: int = -1              # index of the last group the ranks were told to run
 
     def start(self) -> None:
-        # The ranks fork from one server that imported the cases' modules (torch, transformers,
-        # Lightning) once, instead of each rank importing them again (see _one_thread.py).
+        # The ranks fork from one server that imported torch and the cases' modules once,
+        # instead of each rank importing them again (see _one_thread.py).
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["_one_thread", "torch", "torch._dynamo", "moebalance",
+        # The packages the cases import inside their functions (transformers, Lightning: 4-6 s
+        # each) too, where installed: else every rank would import them again.
+        extra = sorted({m for g in self.groups for m in g.preload
+                        if importlib.util.find_spec(m.partition(".")[0]) is not None})
+        ctx.set_forkserver_preload(["_one_thread", "torch", "torch._dynamo", "moebalance", *extra,
                                     *sorted({c.__module__ for g in self.groups for c in g.cases}),
                                     "moebalance._fork_ready"])
         environ = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
@@ -295,7 +300,7 @@ def selected_groups(items) -> list:
 
 
 def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float = 300.0,
-                 collective_timeout_s: float = 30.0, quiet: bool = False):
+                 collective_timeout_s: float = 30.0, quiet: bool = False, preload=()):
     """Register a test module's ``cases`` as group ``group`` (its ``__name__``) of the shared
     spawn and return the module-scoped ``dist_results`` fixture that gives their outcomes.
 
@@ -308,6 +313,8 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
         collective_timeout_s: gloo timeout, so a rank waiting on a failed peer gives up.
         quiet: the cases judge measured times: the suite's background commands pause while
             the group runs (see ``_launches.py``).
+        preload: modules the cases import when they run (``"lightning"``), imported once by
+            the ranks' server where their package is installed.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -315,7 +322,7 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
     if len(set(names)) != len(names):
         raise ValueError(f"cases of group {group} must have distinct names, got {names}")
     _GROUPS[group] = Group(group, list(cases), world_size, float(timeout_s),
-                           float(collective_timeout_s))
+                           float(collective_timeout_s), tuple(preload))
 
     @pytest.fixture(scope="module", name="dist_results")
     def dist_results(dist_spawns, background):

@@ -254,7 +254,8 @@ CASES = [wrap_starts_every_rank_from_rank0_weights,
          per_rank_clipping_warns_once]
 
 
-dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400)
+dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400,
+                            preload=("transformers.modeling_utils",))
 
 
 @pytest.mark.distributed

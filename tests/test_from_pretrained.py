@@ -219,7 +219,7 @@ if importlib.util.find_spec("transformers") is not None:
 
 
 dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=400.0,
-                            collective_timeout_s=60.0)
+                            collective_timeout_s=60.0, preload=("transformers.modeling_utils",))
 
 
 @pytest.mark.distributed

@@ -161,12 +161,15 @@ def hf_trainer_resumes_from_its_own_checkpoint():
     dist.broadcast_object_list(folders, group_src=0)
     straight, stopped = f"{folders[0]}/straight", f"{folders[0]}/stopped"
     losses, state, replans = train(straight, total, None)
-    first, _, _ = train(stopped, saved_at, None)
+    # A run stopped after the step-3 checkpoint leaves that folder behind: resuming it with
+    # resume_from_checkpoint=True finds checkpoint-3 as its last.
+    if rank == 0:
+        shutil.copytree(f"{straight}/checkpoint-{saved_at}", f"{stopped}/checkpoint-{saved_at}")
+    dist.barrier()
     resumed, resumed_state, resumed_replans = train(stopped, total, True)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folders[0])
-    assert first == losses[:saved_at]
     np.testing.assert_allclose(resumed, losses[saved_at:], rtol=1e-12, atol=0)
     assert replans == resumed_replans == [2, 4, 6]
     for key, value in state.items():
@@ -267,8 +270,8 @@ def lightning_ddp_resumes_from_its_checkpoint():
     # Spawned ranks join Lightning's DDP as torchrun's would (see examples/train_rebalance.py).
     os.environ["LOCAL_RANK"], os.environ["NODE_RANK"] = str(dist.get_rank()), "0"
     try:
-        losses, state, replans = fit(total)
-        fit(saved_at, folder=folders[0])
+        # the run that never stopped writes the checkpoint the resumed run starts from
+        losses, state, replans = fit(total, folder=folders[0])
         resumed, resumed_state, resumed_replans = fit(
             total, ckpt_path=f"{folders[0]}/epoch=0-step={saved_at}.ckpt")
     finally:
@@ -348,7 +351,8 @@ if importlib.util.find_spec("lightning") is not None:
 
 
 dist_results = shared_spawn(CASES, __name__, world_size=WORLD, timeout_s=500.0,
-                            collective_timeout_s=60.0)
+                            collective_timeout_s=60.0,
+                            preload=("transformers.trainer", "lightning"))
 
 
 @pytest.mark.distributed
