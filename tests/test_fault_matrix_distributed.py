@@ -97,7 +97,9 @@ def test_a_forward_on_one_rank_alone_says_every_rank_must_run_it(tmp_path):
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # Forked from the fork server the shared ranks use (torch imported there once), or one
+    # this starts when no group ran before it.
+    ctx = mp.get_context("forkserver")
     queue, done = ctx.SimpleQueue(), ctx.Event()
     procs = [ctx.Process(target=_lone_forward, args=(rank, str(tmp_path / "store"), queue, done))
              for rank in range(2)]
