@@ -219,8 +219,8 @@ def steady_allocator() -> bool:
 
     glibc returns a freed heap top to the system once it passes a threshold that it raises as
     large blocks come and go, so one process re-faults its temporaries' pages on every forward
-    while its twin reuses them: measured on 4 gloo ranks, the rank that faulted (30k-195k
-    faults in 0.5 s of timed forwards, against 1-3k) ran 16-69% slower for a whole
+    while its twin reuses them: measured on 4 gloo ranks, the rank that faulted (90k-195k
+    faults in 0.5 s of timed forwards, against 1-5k) ran 38-64% slower for a whole
     ``Topology.measure``. Fixed thresholds (1 GiB) end that; the ranks here hold small layers.
     """
     import ctypes
