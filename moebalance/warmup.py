@@ -102,7 +102,8 @@ def warm_up(progress: Callable[[str], None] | None = None,
 
         routing = TransientRouting(*(t.numpy() for t in (table.slots_EX, table.device_EX,
                                                          table.share_EX)),
-                                   np.array([0, 2, 4]), 1, [1.0, 1.0], [0, 0], 1.0)
+                                   np.array([0, 2, 4]),     # each rank's first slot (2 each)
+                                   1, [1.0, 1.0], [0, 0], 1.0)
         routing.choose(np.array([[40, 1, 1], [40, 1, 1]], dtype=np.int64))
 
     for name, part in (("planner", planner), ("rebalance_experts", drop_in),

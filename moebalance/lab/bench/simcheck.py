@@ -224,14 +224,10 @@ def steady_allocator() -> bool:
     ``Topology.measure``. Fixed thresholds (1 GiB) end that; the ranks here hold small layers.
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+        mallopt = ctypes.CDLL(None).mallopt     # the C library this process already runs on
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, STEADY_HEAP_BYTES)
                 and mallopt(M_MMAP_THRESHOLD, STEADY_HEAP_BYTES))
