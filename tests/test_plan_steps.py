@@ -9,6 +9,8 @@ re-split, without giving up the window mean's balance beyond a small margin.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -122,6 +124,18 @@ def test_steady_loads_keep_the_whole_window_and_moved_loads_keep_the_recent_step
     recent = steps.recent_steps(moved)
     assert recent < 20
     np.testing.assert_allclose(moved[-recent:].mean(axis=0), base[:, ::-1])
+
+
+def test_a_layer_idle_in_the_held_out_steps_is_judged_without_overflow(rng):
+    # layer 1 routes tokens early in the window and none in its last quarter
+    counts = _window(rng, _zipf(rng, 2, 12), 20)
+    counts[15:, 1] = 0.0
+    counts[:15, 1] *= 1e6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recent = steps.recent_steps(counts)
+        mb.plan(counts, mb.Topology.uniform(4, 4)).validate(mb.Topology.uniform(4, 4))
+    assert 1 <= recent <= 20
 
 
 def test_recentred_steps_keep_their_deviations_at_the_recent_level(rng):

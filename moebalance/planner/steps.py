@@ -385,7 +385,10 @@ def recent_steps(counts_TLE: np.ndarray) -> int:
     held = max(1, T // 4)
     past = counts_TLE[:T - held]
     target = counts_TLE[T - held:].mean(axis=0)
-    scale = np.maximum(target.sum(axis=1, keepdims=True), 1e-300)
+    # each layer's tokens in the held-out steps; a layer idle there is scaled by the window's
+    scale = target.sum(axis=1, keepdims=True)
+    scale = np.where(scale > 0, scale, counts_TLE.mean(axis=0).sum(axis=1, keepdims=True))
+    scale = np.maximum(scale, 1e-300)
     best_err, best = np.inf, T
     for fraction in HISTORY:
         k = max(MIN_HISTORY, int(np.ceil(fraction * past.shape[0])))
