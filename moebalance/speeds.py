@@ -281,18 +281,22 @@ class SpeedTracker:
         return self.speed / self.speed.max()
 
     def planning_speeds(self) -> np.ndarray:
-        """[G] the speeds a re-plan is for, over the fastest: with ``window`` >= 2 the mean of
-        the last ``window`` steps' unsmoothed speeds, else the smoothed ones (:meth:`relative`).
+        """[G] the speeds a re-plan is for, over the fastest: with ``window`` >= 2 each rank's
+        median over the last ``window`` steps' unsmoothed speeds, else the smoothed ones
+        (:meth:`relative`).
 
         When the speeds moved, each of the window's steps showed the move (:meth:`moved`), so
-        their plain mean measures the new level; the exponential average still lags behind a
+        they measure the new level, and their median is not pulled by one step that a hiccup
+        slowed (the mean of 3 steps, one of them at 0.7 of the rank's speed, reads 0.9, and a
+        plan for that stays until the speeds move by ``min_change`` again); the exponential
+        average still lags behind a
         step change (after 5 steps at smoothing 0.3 it has gone 83% of the way: a rank slowed to
         0.5 reads 0.58), and a plan for that speed leaves the slow rank overloaded by the rest,
         which is then too small a change to trigger another re-plan."""
         if self.window < 2 or len(self._raw) < self.window:
             return self.relative()
-        mean = np.mean(np.stack(self._raw), axis=0)
-        return mean / mean.max()
+        level = np.median(np.stack(self._raw), axis=0)
+        return level / level.max()
 
     def moved(self, reference_G) -> bool:
         """Whether the smoothed relative speeds differ from ``reference_G [G]`` (e.g. the
