@@ -97,8 +97,16 @@ def start_placement(cfg: dict, world: int):
 
 
 class _Run:
-    """One training run of :func:`straggler_run` on this rank: its layers, optimizer, data,
-    its own core hold, and (``track``) the Rebalancer that follows the measured speeds."""
+    """One training run of :func:`straggler_pair` on this rank: its layers, optimizer, data,
+    its own core hold, and (``track``) the Rebalancer that follows the measured speeds.
+
+    Args:
+        cfg: hidden, ffn, tokens, experts, slots, layers, steps, slow_at, slow, every, seed,
+            share (every rank's hold, a fraction of a core; None: no hold, the straggler then
+            held to ``slow``), float64, min_change and window (optional).
+        track: follow the measured speeds (a Rebalancer with a SpeedTracker) or keep the
+            original topology.
+    """
 
     def __init__(self, cfg: dict, track: bool) -> None:
         import torch
@@ -169,34 +177,19 @@ class _Run:
                 "slow_rank_share_after": _slow_share(self.model, self.topology, self.slow_rank)}
 
 
-def straggler_run(cfg: dict, track: bool) -> dict:
-    """Train ``cfg['steps']`` steps on every rank of the default group; the last rank's hold
-    drops to ``cfg['slow']`` of the others' at step ``cfg['slow_at']``.
-
-    Args:
-        cfg: hidden, ffn, tokens, experts, slots, layers, steps, slow_at, slow, every, seed,
-            share (every rank's hold, a fraction of a core; None: no hold, the straggler then
-            held to ``slow``), float64 (optional).
-        track: follow the measured speeds (a Rebalancer with a SpeedTracker) or keep the
-            original topology.
-
-    Returns (the same on every rank): ``step_s`` [steps], ``losses`` [steps], ``history`` (the
-    Rebalancer's re-plans), ``decisions`` (the tracker's), ``resplit_speeds`` (the speeds each
-    layer's re-split uses at the end), ``topology_speed`` (the topology's at the end),
-    ``slow_rank_share_before`` and ``_after`` (fraction of the tokens the slow rank's slots
-    receive, first layer).
-    """
-    run = _Run(cfg, track)
-    for t in range(cfg["steps"]):
-        run.step(t)
-    return run.result()
-
-
 def straggler_pair(cfg: dict) -> dict[str, dict]:
-    """:func:`straggler_run` with the fixed topology and with speed tracking, trained side by
-    side: step t of one, then step t of the other, the first of the two alternating. Both runs
-    see the same spells of the host's speed, which run one after the other did not (one run
-    could meet a slower machine than the other)."""
+    """Train ``cfg['steps']`` steps (see :class:`_Run`) with the fixed topology and with speed
+    tracking, side by side on every rank of the default group: step t of one, then step t of
+    the other, the first of the two alternating, so that both meet the same spells of the
+    host's speed. The last rank's hold drops to ``cfg['slow']`` of the others' at step
+    ``cfg['slow_at']``.
+
+    Returns (the same on every rank) per run name ("fixed topology", "speed tracking"):
+    ``step_s`` [steps], ``losses`` [steps], ``history`` (the Rebalancer's re-plans),
+    ``decisions`` (the tracker's), ``resplit_speeds`` (the speeds each layer's re-split uses at
+    the end), ``topology_speed`` (the topology's at the end), ``slow_rank_share_before`` and
+    ``_after`` (fraction of the tokens the slow rank's slots receive, first layer).
+    """
     runs = {"fixed topology": _Run(cfg, False), "speed tracking": _Run(cfg, True)}
     order = list(runs.values())
     for t in range(cfg["steps"]):
