@@ -9,6 +9,7 @@
     moebalance bench pretrained ...                   peak memory of mb.from_pretrained per rank
     moebalance bench faults ...                       one rank's error on every rank (4 gloo ranks)
     moebalance bench straggler ...                    measured speeds, a slowed rank (4 gloo ranks)
+    moebalance bench bound ...                        the planner against a floor (HiGHS)
     moebalance plan LOADS (--devices N --slots K | --topology FILE | --cluster NAME) [--out FILE]
                     [--previous FILE [--max-moves N]] [--force]
     moebalance inspect PLACEMENT [--layout [--layer N]] [--loads LOADS] [--topology FILE | ...]
@@ -258,6 +259,7 @@ SUB_BENCHMARK_HELP = {
     "straggler": "measured speeds and a rank that slows down (4 gloo ranks)",
     "pretrained": "peak memory per rank of mb.from_pretrained against the whole model",
     "faults": "one rank's error raised on every rank (4 gloo ranks)",
+    "bound": "the planner's placements against a floor no placement goes under (HiGHS)",
 }
 SUB_BENCHMARKS = tuple(SUB_BENCHMARK_HELP)
 
