@@ -25,9 +25,14 @@ the end of the backward agrees on it (:func:`close_backward`). An exception rais
 outside the library in the middle of a backward (a user's tensor hook) stops that rank's
 autograd engine before any library code runs again, and cannot be carried this way.
 
+The same agreement at the end of a backward also carries whether this rank's expert gradients
+hold a non-finite value (:func:`note_gradients`): when any rank's do, every rank's do
+(:func:`mark_non_finite`), as a data-parallel all-reduce would make them, so a
+``torch.amp.GradScaler`` skips the step on every rank alike.
+
 Flags travel on the CPU where the group's backend takes CPU tensors (gloo), so agreeing costs no
-device synchronisation; on an NCCL-only group they travel on the current GPU and reading them is
-a host sync.
+device synchronisation (but for the non-finite flag of gradients held on a GPU); on an NCCL-only
+group they travel on the current GPU and reading them is a host sync.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import torch.distributed as dist
 
 __all__ = ["GroupError", "GroupValueError", "GroupTypeError", "Attempt", "agree",
            "raise_failures", "flag_device", "describe", "backward_attempt",
-           "take_backward_failure", "close_backward"]
+           "take_backward_failure", "close_backward", "note_gradients", "non_finite",
+           "mark_non_finite"]
 
 # Longest original message carried per rank (the text travels pickled, on the error path only).
 _MESSAGE_CHARS = 2000
@@ -165,27 +171,34 @@ def raise_failures(attempt: Attempt, group) -> None:
     raise error from attempt.error
 
 
-def agree(attempt: Attempt, group, same: dict | None = None) -> None:
+def agree(attempt: Attempt, group, same: dict | None = None,
+          also: torch.Tensor | None = None) -> bool:
     """Raise the same :class:`GroupError` on every rank of ``group`` if any rank's ``attempt``
-    failed (or the ranks' ``same`` values differ), else return.
+    failed (or the ranks' ``same`` values differ), else return whether any rank's ``also`` is
+    set.
 
-    Collective: one all-reduce (MAX) of ``1 + 2 * len(same)`` int64 on :func:`flag_device`, plus
-    :func:`raise_failures` on the error path. Use it only where no collective follows the local
-    block anyway (one that does should carry ``attempt.flag``).
+    Collective: one all-reduce (MAX) of ``1 + 2 * len(same)`` int64 (one more with ``also``) on
+    :func:`flag_device`, plus :func:`raise_failures` on the error path. Use it only where no
+    collective follows the local block anyway (one that does should carry ``attempt.flag``).
 
     Args:
         same: name -> int that every rank must hold alike (e.g. the width of the rows about to
             travel); a rank that holds another value than the group's largest is reported.
+        also: a one-element bool or int tensor of this rank's (on any device; read only after
+            the all-reduce), e.g. "my gradients hold a non-finite value".
     """
     if _world(group) == 1:
         if attempt.error is not None:
             raise attempt.error
-        return
+        return False
     values = list((same or {}).values())
     row = [attempt.flag] + values + [-v for v in values]
     flags = torch.tensor(row, dtype=torch.int64, device=flag_device(group))
+    if also is not None:
+        flags = torch.cat([flags, also.reshape(1).to(device=flags.device, dtype=torch.int64)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     flags = flags.tolist()
+    somewhere = bool(flags.pop()) if also is not None else False
     n = len(values)
     highest, lowest = flags[1:1 + n], [-v for v in flags[1 + n:]]
     if highest != lowest:
@@ -201,6 +214,7 @@ def agree(attempt: Attempt, group, same: dict | None = None) -> None:
                                         f"same {name}"))
     if flags[0] or highest != lowest:
         raise_failures(attempt, group)
+    return somewhere
 
 
 # -- backward ---------------------------------------------------------------------------------
@@ -210,6 +224,7 @@ def agree(attempt: Attempt, group, same: dict | None = None) -> None:
 # messages), and one callback at the end of the backward agrees on the group's failures.
 _BACKWARD: dict = {}    # group -> Attempt of this rank's library backward code
 _CLOSING: dict = {}     # group -> id of the backward whose closing callback is queued
+_GRADIENTS: dict = {}   # group -> [(non-finite flag, parameter)] noted during this backward
 
 BACKWARD_WHERE = "backward of the expert-parallel layers"
 
@@ -242,6 +257,41 @@ def close_backward(group) -> None:
     def agree_on_backward():
         _CLOSING.pop(group, None)
         attempt = _BACKWARD.pop(group, None) or Attempt(BACKWARD_WHERE)
-        agree(attempt, group)
+        noted = _GRADIENTS.pop(group, [])
+        here = torch.stack([bad for bad, _ in noted]).any() if noted else torch.tensor(False)
+        if agree(attempt, group, also=here) and noted and not bool(here):
+            mark_non_finite(noted[0][1])
 
     torch.autograd.Variable._execution_engine.queue_callback(agree_on_backward)
+
+
+def note_gradients(group, params) -> None:
+    """Note, for the agreement that ends this backward (:func:`close_backward`), whether a
+    gradient of ``params`` (this rank's own: expert slots, which no data-parallel all-reduce
+    touches) holds a non-finite value (:func:`non_finite`); when some rank's does, the others
+    :func:`mark_non_finite` the first of theirs."""
+    params = [p for p in params if p is not None]
+    if params and _world(group) > 1:
+        _GRADIENTS.setdefault(group, []).append((non_finite(params), params[0]))
+
+
+def non_finite(params) -> torch.Tensor:
+    """Whether a gradient of ``params`` holds a non-finite value: a bool tensor from one
+    reduction on the device, no host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(False)
+    return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()
+
+
+def mark_non_finite(param: torch.Tensor) -> None:
+    """Write ``inf`` into one element of ``param``'s gradient, because another rank's expert
+    gradients hold a non-finite value. Under data parallelism a non-finite gradient on one rank
+    is one on every rank (the all-reduce spreads it); expert slots are not all-reduced, so this
+    keeps that rule: ``torch.amp.GradScaler`` then skips the step and lowers its scale on every
+    rank alike, instead of on the overflowing rank alone (which would leave the ranks' weights
+    and scales apart)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    with torch.no_grad():
+        param.grad.view(-1)[0] = float("inf")

@@ -438,6 +438,51 @@ def replica_gradient_traffic_scales_with_replicas_held():
     assert max(sizes) < dense_bytes
 
 
+def grad_scaler_skips_on_every_rank_when_one_ranks_experts_overflow():
+    # Under fp16 autocast, torch.amp.GradScaler skips a step whose gradients hold inf or NaN.
+    # Expert slots are no data-parallel all-reduce's: an overflow in one rank's experts reached
+    # that rank's scaler alone, which skipped and halved its scale while the others stepped,
+    # and the ranks' routers and scales drifted apart without a word. Now every rank skips.
+    dtype = torch.float32
+    topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 0.5, 0.5], slots=SLOTS, node=[0, 0, 1, 1])
+    placement = mb.plan(np.ones((2, E)), topology)
+    for grad_sync in ("backward", "manual"):
+        model = Net(placement, dtype, grad_sync=grad_sync)
+        optimizer = make_optimizer(model, "sgd")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        overflow_at = {"step": -1}
+
+        def overflow(grad):             # an fp16 overflow in rank 1's experts alone
+            if dist.get_rank() == 1 and overflow_at["step"] == 1:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+            return grad
+
+        model.l0.slot_parameters()[0].register_hook(overflow)
+        for step in range(3):
+            overflow_at["step"] = step
+            x, target = batch(step, dtype)
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = (model(x) - target).pow(2).sum() / (WORLD * TOKENS)
+            scaler.scale(loss).backward()
+            if grad_sync == "manual":
+                mb.reduce_replica_gradients(model)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            assert moved == (step != 1), (grad_sync, step, dist.get_rank())
+            scales = [None] * WORLD
+            dist.all_gather_object(scales, scaler.get_scale())
+            assert scales == [2.0 ** 8 if step == 0 else 2.0 ** 7] * WORLD, (grad_sync, scales)
+            routers = [None] * WORLD
+            dist.all_gather_object(routers, [p.detach().numpy().tobytes() for layer in
+                                             moe_layers(model) for p in
+                                             layer.router_module().parameters()])
+            assert all(r == routers[0] for r in routers), (grad_sync, step)
+            assert_replicas_identical(model)
+
+
 def experts_on_every_rank_train_like_experts_held_once_fp64():
     """Holder counts 4 and 2: the reduce-scatter path sums replicas like a single holder."""
     dtype = torch.float64
@@ -676,6 +721,7 @@ CASES = [
     rebalancer_plain_loop_drives_migrations_and_keeps_losses,
     rebalancer_plans_for_the_steps_it_kept,
     experts_on_every_rank_train_like_experts_held_once_fp64,
+    grad_scaler_skips_on_every_rank_when_one_ranks_experts_overflow,
     failed_transfer_on_one_rank_keeps_old_placement_everywhere,
     rank_that_never_sends_fails_migration_without_hang,
 ]

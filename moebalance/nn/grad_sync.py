@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..collective_errors import backward_attempt, close_backward
+from ..collective_errors import backward_attempt, close_backward, note_gradients
 from ..device_index import DeviceIndex
 from ..migrate.wire import GRAD_SYNC_TAG_BASE, GRAD_SYNC_TAG_KINDS, TAG_SPACES, tag_space
 
@@ -249,6 +249,7 @@ class GradientSync:
         self._pending: list[Callable[[], None]] = []
         self._late: list[Callable[[], None]] = []     # after every sum (add_late)
         self._queued = None      # the backward (graph task id) whose finishing step is queued
+        self._slots = [weakref.ref(p) for p in slot_params]
         self._handles = []
         for kind, param in enumerate(slot_params):
             self._handles.append(param.register_hook(self._slot_hook(param, kind)))
@@ -285,6 +286,7 @@ class GradientSync:
         for step in pending:
             with failures.run():
                 step()
+        note_gradients(self.group, [ref() for ref in self._slots])
         close_backward(self.group)
 
     def add_late(self, step: Callable[[], None]) -> None:

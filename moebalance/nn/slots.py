@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collective_errors import Attempt, agree, take_backward_failure
+from ..collective_errors import Attempt, agree, mark_non_finite, non_finite, take_backward_failure
 from ..device_index import DeviceIndex
 from ..frameworks import exclude_experts_from_ddp, mark_slot_parameters
 from ..migrate.plan import plan_migration
@@ -351,7 +351,10 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
                 if scale != 1.0 and not attempt.failed:
                     total.mul_(scale)
-        agree(attempt, group)
+        # A non-finite expert gradient on one rank is one on every rank (mark_non_finite).
+        here = non_finite(layer.slot_parameters())
+        if agree(attempt, group, also=here) and not bool(here):
+            mark_non_finite(layer.slot_parameters()[0])
 
 
 def _check_grad(grad, param: torch.Tensor, name: str) -> None:
