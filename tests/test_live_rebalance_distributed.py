@@ -483,6 +483,41 @@ def grad_scaler_skips_on_every_rank_when_one_ranks_experts_overflow():
             assert_replicas_identical(model)
 
 
+def ranks_without_replicated_experts_end_the_backward_with_the_others():
+    # One replicated expert on two ranks of four: the other two hold none. Under a DDP (which
+    # reduces the routers itself) or with frozen routers, no hook of theirs ended the backward,
+    # and the two holders waited for them in its agreement until the collective timeout.
+    dtype = torch.float64
+    topology = mb.Topology.from_arrays(speed=[1.0, 1.0, 1.0, 1.0], slots=[2, 2, 2, 3],
+                                       node=[0, 0, 1, 1])
+    loads = np.ones((2, E))
+    loads[:, 0] = 8.0
+    placement = mb.plan(loads, topology)
+    holders = [sorted(set(placement.slot_device[placement.phy2log[layer] == 0].tolist()))
+               for layer in range(2)]
+    assert all(len(h) == 2 for h in holders), holders     # the other two ranks hold no replica
+    for variant in ("ddp", "frozen routers"):
+        model = Net(placement, dtype)
+        if variant == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(mb.exclude_experts_from_ddp(model))
+        else:
+            wrapped = model
+            for layer in moe_layers(model):
+                layer.router_module().requires_grad_(False)
+        optimizer = make_optimizer(model, "sgd")
+        for step in range(2):
+            x, target = batch(step, dtype)
+            optimizer.zero_grad()
+            (wrapped(x) - target).pow(2).sum().backward()
+            optimizer.step()
+        routers = [None] * WORLD
+        dist.all_gather_object(routers, [p.detach().numpy().tobytes() for layer in
+                                         moe_layers(model) for p in
+                                         layer.router_module().parameters()])
+        assert all(r == routers[0] for r in routers), variant
+        assert_replicas_identical(model)
+
+
 def experts_on_every_rank_train_like_experts_held_once_fp64():
     """Holder counts 4 and 2: the reduce-scatter path sums replicas like a single holder."""
     dtype = torch.float64
@@ -722,6 +757,7 @@ CASES = [
     rebalancer_plans_for_the_steps_it_kept,
     experts_on_every_rank_train_like_experts_held_once_fp64,
     grad_scaler_skips_on_every_rank_when_one_ranks_experts_overflow,
+    ranks_without_replicated_experts_end_the_backward_with_the_others,
     failed_transfer_on_one_rank_keeps_old_placement_everywhere,
     rank_that_never_sends_fails_migration_without_hang,
 ]

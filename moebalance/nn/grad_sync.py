@@ -305,12 +305,15 @@ class GradientSync:
             self, param = sync_ref(), param_ref()
             if self is None or param is None or not self.enabled:
                 return None
+            # First: a backward that stopped early leaves steps that this call clears. And every
+            # rank ends the backward alike (one agreement), whether it holds a replicated expert
+            # or not: under a DDP (or with frozen routers) no other hook of a rank that holds none
+            # would, and its peers would wait for it in that agreement.
+            self._queue_finish()
             exchange = self.exchange_for()
             scaled = grad if self.scale == 1.0 else grad * self.scale
             if exchange.num_held == 0:
                 return None if self.scale == 1.0 else scaled
-            # First: a backward that stopped early leaves steps that this call clears.
-            self._queue_finish()
             failures = backward_attempt(self.group)
             try:
                 posted = exchange.post(grad, kind, self.group)
