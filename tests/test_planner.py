@@ -272,8 +272,12 @@ print(hashlib.sha256(p.phy2log.tobytes() + p.share.tobytes() + q.phy2log.tobytes
 
 
 def test_deterministic_across_processes():
-    digests = {subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True,
-                              text=True, check=True).stdout.strip() for _ in range(2)}
+    # two interpreters at once: each spends its seconds importing torch
+    procs = [subprocess.Popen([sys.executable, "-c", _DIGEST_SCRIPT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outputs]
+    digests = {out.strip() for out, _ in outputs}
     rng = np.random.default_rng(3)
     w = rng.lognormal(0, 1, (4, 40)) * 100
     topo = mb.Topology.from_arrays([1.0, 0.5, 2.0, 1.0, 1.0], [10, 12, 8, 10, 9], [0, 0, 1, 1, 1])
