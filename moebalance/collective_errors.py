@@ -45,7 +45,7 @@ import torch.distributed as dist
 __all__ = ["GroupError", "GroupValueError", "GroupTypeError", "Attempt", "agree",
            "raise_failures", "flag_device", "describe", "backward_attempt",
            "take_backward_failure", "close_backward", "note_gradients", "non_finite",
-           "mark_non_finite"]
+           "agree_spreading_non_finite", "mark_non_finite"]
 
 # Longest original message carried per rank (the text travels pickled, on the error path only).
 _MESSAGE_CHARS = 2000
@@ -259,8 +259,7 @@ def close_backward(group) -> None:
         attempt = _BACKWARD.pop(group, None) or Attempt(BACKWARD_WHERE)
         noted = _GRADIENTS.pop(group, [])
         here = torch.stack([bad for bad, _ in noted]).any() if noted else torch.tensor(False)
-        if agree(attempt, group, also=here) and noted and not bool(here):
-            mark_non_finite(noted[0][1])
+        agree_spreading_non_finite(attempt, group, here, noted[0][1] if noted else None)
 
     torch.autograd.Variable._execution_engine.queue_callback(agree_on_backward)
 
@@ -284,6 +283,13 @@ def non_finite(params) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()
 
 
+def agree_spreading_non_finite(attempt: Attempt, group, here: torch.Tensor, param) -> None:
+    """:func:`agree` carrying ``here`` (this rank's :func:`non_finite`); when another rank's is
+    set and this rank's is not, :func:`mark_non_finite` ``param`` (None: nothing to mark)."""
+    if agree(attempt, group, also=here) and param is not None and not bool(here):
+        mark_non_finite(param)
+
+
 def mark_non_finite(param: torch.Tensor) -> None:
     """Write ``inf`` into one element of ``param``'s gradient, because another rank's expert
     gradients hold a non-finite value. Under data parallelism a non-finite gradient on one rank
@@ -294,4 +300,4 @@ def mark_non_finite(param: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     with torch.no_grad():
-        param.grad.view(-1)[0] = float("inf")
+        param.grad[(0,) * param.grad.dim()] = float("inf")     # any strides

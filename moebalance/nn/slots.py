@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collective_errors import Attempt, agree, mark_non_finite, non_finite, take_backward_failure
+from ..collective_errors import (
+    Attempt,
+    agree,
+    agree_spreading_non_finite,
+    non_finite,
+    take_backward_failure,
+)
 from ..device_index import DeviceIndex
 from ..frameworks import exclude_experts_from_ddp, mark_slot_parameters
 from ..migrate.plan import plan_migration
@@ -352,9 +358,8 @@ def reduce_replica_gradients(module: nn.Module, *, include_router: bool = True) 
                 if scale != 1.0 and not attempt.failed:
                     total.mul_(scale)
         # A non-finite expert gradient on one rank is one on every rank (mark_non_finite).
-        here = non_finite(layer.slot_parameters())
-        if agree(attempt, group, also=here) and not bool(here):
-            mark_non_finite(layer.slot_parameters()[0])
+        params = layer.slot_parameters()
+        agree_spreading_non_finite(attempt, group, non_finite(params), params[0])
 
 
 def _check_grad(grad, param: torch.Tensor, name: str) -> None:
