@@ -16,7 +16,7 @@ import torch
 from .backends import has_numba
 from .dispatch.shares import step_imbalance
 from .nn.moe import DenseMoE, ExpertParallelMoE
-from .planner import plan, rebalance_experts
+from .planner import plan, rebalance_experts, resplit_device_loads
 from .topology import Topology
 
 __all__ = ["warm_up", "jit_counts"]
@@ -79,6 +79,8 @@ def warm_up(progress: Callable[[str], None] | None = None,
         fresh = plan(window, alike, backend="numba")
         plan(window[:, :, ::-1].copy(), alike, previous=fresh, max_moves=3, backend="numba")
         step_imbalance(window, fresh, alike, backend="numba")
+        resplit_device_loads(window[:, 0], fresh.phy2log[0], fresh.share[0], alike,
+                             backend="numba")
 
     def drop_in() -> None:
         rebalance_experts(w[:, :6].copy(), 12, 2, 2, 4)   # hierarchical

@@ -35,7 +35,7 @@ def _slot_shares(table, share_EX: torch.Tensor, num_slots: int) -> np.ndarray:
 def _planner_max_time(w_E, placement: Placement, layer: int, speed_G) -> float:
     """The planner's own share step (balance_shares) from the placement's shares."""
     k = _jit.kernels("numba")
-    phy2log = placement.phy2log[layer]
+    phy2log = placement.phy2log[layer].copy()     # writable, as the planner hands it over
     share = placement.share[layer].copy()
     speed = np.asarray(speed_G, dtype=np.float64)
     slots = np.bincount(placement.slot_device, minlength=len(speed))
@@ -128,6 +128,7 @@ def test_pair_fill_finishes_both_devices_together_or_leaves_the_hotter_empty(rng
     for _ in range(200):
         speed = rng.uniform(0.2, 3.0, 2)
         slot_device = np.array([0, 1], dtype=np.int64)
+        speed.flags.writeable = slot_device.flags.writeable = False   # as the planner holds them
         share = rng.dirichlet([1.0, 1.0])
         we = float(rng.uniform(0.0, 100.0))
         other = rng.uniform(0.0, 100.0, 2) * (rng.random(2) < 0.8)

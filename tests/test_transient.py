@@ -32,6 +32,15 @@ def _devices(speed_G, node_G, slots, intra=450e9, inter=50e9) -> np.ndarray:
                      np.full(G, float(slots)), np.full(G, intra), np.full(G, inter)], axis=1)
 
 
+def _placed(*arrays):
+    """Read-only copies, as a ``Placement``'s and a ``Topology``'s arrays are: Numba compiles a
+    kernel apart for read-only arrays, and the library only ever hands it those."""
+    out = tuple(np.array(a) for a in arrays)
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
 def _random_layer(rng, G, E, extra):
     """A layer's slots: every expert once, ``extra`` experts twice, never twice on a device."""
     phy2log = np.concatenate([np.arange(E), rng.choice(E, extra, replace=False)])
@@ -40,7 +49,7 @@ def _random_layer(rng, G, E, extra):
         first = device[np.flatnonzero(phy2log[:E] == phy2log[s])[0]]
         device[s] = (first + 1 + rng.integers(G - 1)) % G
     share = 1.0 / np.bincount(phy2log)[phy2log]
-    return phy2log.astype(np.int64), share, device.astype(np.int64)
+    return _placed(phy2log.astype(np.int64), share, device.astype(np.int64))
 
 
 # -- the kernel -----------------------------------------------------------------------------------
@@ -51,7 +60,7 @@ def test_two_devices_hand_worked_copy_evens_the_load():
     # expert 0 on device 1 saves (300 - 200) pairs x 1 ms against 2 x 1 GB / 1 TB/s = 2 ms
     devices = _devices([1.0, 1.0], [0, 0], 1, intra=1e12)
     counts = np.array([[300.0, 100.0]])
-    args = (np.array([0, 1]), np.array([1.0, 1.0]), np.array([0, 1]))
+    args = _placed([0, 1], [1.0, 1.0], [0, 1])
     for backend in ("numpy", "numba"):
         kernels = _jit.kernels(backend)
         load, seconds, copies = kernels.transient_loads(counts, counts, *args, devices,
@@ -72,7 +81,7 @@ def test_a_copy_prefers_the_cheap_link_when_it_saves_as_much():
     devices = _devices([1.0] * 3, [0, 0, 1], 1)
     counts = np.array([[400.0, 0.0, 0.0]])
     load, seconds, copies = _jit.kernels("numba").transient_loads(
-        counts, counts, np.array([0, 1, 2]), np.ones(3), np.array([0, 1, 2]), devices,
+        counts, counts, *_placed([0, 1, 2], np.ones(3), [0, 1, 2]), devices,
         np.array([1e-3, 1e9]))
     # two copies: the first to the node neighbour (NVLink), the second over the network
     assert copies.tolist() == [2]
@@ -85,7 +94,7 @@ def test_copies_never_slow_the_slowest_device_and_keep_every_token(guide):
     rng = np.random.default_rng(7)
     G, E, T = 8, 24, 12
     phy2log, share, device = _random_layer(rng, G, E, 6)
-    speed = np.where(np.arange(G) < 4, 1.0, 0.4)
+    speed, = _placed(np.where(np.arange(G) < 4, 1.0, 0.4))
     counts = rng.gamma(0.4, 1.0, (T + 1, E)) * 50
     guide_TE = counts[:-1] if guide == "previous" else counts[1:]
     devices = _devices(speed, np.arange(G) // 4, 2)

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backends import has_numba
 from ...dispatch.resplit_kernel import resplit_columns
 from ...dispatch.transient import MAX_COPIES, _resplit_into, transient_choose
+from ...placement import Placement
+from ...planner import _jit
 from ...planner._jit import kernel
 
-__all__ = ["MAX_COPIES", "GUIDES", "transient_choose", "transient_loads", "link_seconds"]
+__all__ = ["MAX_COPIES", "GUIDES", "transient_choose", "transient_loads", "link_seconds",
+           "warm_up"]
 
 # Counts the copies are chosen on: the previous step's (made ahead) or this step's.
 GUIDES = ("previous", "current")
@@ -108,3 +112,19 @@ def transient_loads(counts_TE, guide_TE, phy2log_S, share_S, slot_device_S, devi
         copies_T[t] = copies_C3.shape[0]
         link_seconds(copies_C3, devices_G5, unit_bytes_2[1], seconds_TG[t])
     return load_TG, seconds_TG, copies_T
+
+
+def warm_up() -> None:
+    """Compile :func:`transient_loads` (``moebalance simulate --transient``) now, or load it from
+    Numba's on-disk cache, with the array kinds the simulator hands it: a placement's rows are
+    read-only, which Numba compiles apart from writable ones. Set-up calls it; without Numba
+    it does nothing."""
+    if not has_numba():
+        return
+    placement = Placement(np.array([[0, 1, 0]]), np.array([[0.5, 1.0, 0.5]]), np.array([0, 1, 1]),
+                          num_experts=2)
+    counts = np.array([[300.0, 100.0]])
+    devices_G5 = np.array([[1.0, 0.0, 1.0, 1e12, 1e11]] * 2)
+    _jit.kernels("numba").transient_loads(counts, counts.copy(), placement.phy2log[0],
+                                          placement.share[0], placement.slot_device, devices_G5,
+                                          np.array([1e-3, 1e9]))
