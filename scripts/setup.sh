@@ -3,8 +3,8 @@
 # only where no torch is importable does it install the pinned CPU build (an unpinned torch
 # would pull a multi-GB CUDA build). Then installs the package, editable, with the given extras
 # (none: "" as the argument), and compiles the Numba kernels once: every part, or those KERNELS
-# names (comma separated: planner, rebalance_experts, dispatch, and the simulator's transient
-# copies; the others compile on first use).
+# names (comma separated: planner, rebalance_experts, dispatch, and simulator for the
+# simulator's transient copies; the others compile on first use).
 # Every step says what it does and how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
