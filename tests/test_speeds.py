@@ -229,10 +229,12 @@ def straggler_replans_away_from_the_slow_rank():
     runs = straggler_pair(STRAGGLER)
     tracked, fixed = runs["speed tracking"], runs["fixed topology"]
     assert len(tracked["step_s"]) == len(fixed["step_s"]) == STRAGGLER["steps"]
-    assert tracked["history"], f"no re-plan; the tracker decided {tracked['decisions']}"
-    first = tracked["history"][0]
-    assert first["step"] > STRAGGLER["slow_at"]
-    speeds = np.array(first["speeds"])
+    # Unheld ranks share two cores: before the slowdown the scheduler alone can set them 30%
+    # apart for a window, and the tracker may follow that (its noise rules have their own
+    # tests). What must come is the re-plan away from the straggler once it slows.
+    after = [h for h in tracked["history"] if h["step"] > STRAGGLER["slow_at"]]
+    assert after, f"no re-plan after the slowdown; the tracker decided {tracked['decisions']}"
+    speeds = np.array(after[0]["speeds"])
     assert int(np.argmin(speeds)) == 3 and speeds[3] < 0.7 * np.delete(speeds, 3).min()
     assert tracked["slow_rank_share_after"] < tracked["slow_rank_share_before"]
     assert fixed["slow_rank_share_after"] == fixed["slow_rank_share_before"]
