@@ -54,15 +54,14 @@ import time
 
 import moebalance
 from moebalance.backends import has_numba
-import moebalance.warmup
-from moebalance.warmup import jit_counts
+from moebalance.warmup import PARTS, jit_counts
 
 start = time.perf_counter()
 parts = os.environ["KERNELS"].split(",")
-unknown = sorted(set(parts) - {*moebalance.warmup.PARTS, "simulator"})
+unknown = sorted(set(parts) - {*PARTS, "simulator"})
 if unknown:
     raise SystemExit(f"KERNELS names {unknown}: give a comma-separated list of "
-                     f"{', '.join(moebalance.warmup.PARTS)} and simulator")
+                     f"{', '.join(PARTS)} and simulator")
 spent = moebalance.warm_up(progress=lambda part: print(f"   {part} kernels ...", flush=True),
                            parts=[p for p in parts if p != "simulator"])
 if "simulator" in parts and has_numba():   # a tool's kernel: the library's warm_up leaves it out
