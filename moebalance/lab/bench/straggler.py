@@ -43,8 +43,12 @@ DESCRIPTION = "Measured device speeds, and re-planning away from a straggler (4 
 # min_change 0.1: a rank given fewer rows runs them slower per row (each expert call has a cost
 # of its own), so the speed measured after the first re-plan is lower again (0.5 -> about
 # 0.42 here); a second re-plan for it needs the noise gate below that 16% change
-FULL = dict(hidden=128, ffn=1024, tokens=512, experts=8, slots=3, layers=2, steps=60, slow_at=20,
-            every=5, measure_tokens=1024, measure_repeats=24, min_change=0.1)
+# D=256, F=2048: expert arithmetic is 55% of a rank's CPU in a step (45% at D=128, F=1024,
+# where the dispatch, the optimizer and gloo's threads weigh as much as the experts), nearer the
+# share expert GEMMs take in the MoE models this is for; 256 measuring tokens keep a repeat at
+# the cost of 1024 at that smaller shape.
+FULL = dict(hidden=256, ffn=2048, tokens=512, experts=8, slots=3, layers=2, steps=60, slow_at=20,
+            every=5, measure_tokens=256, measure_repeats=24, min_change=0.1)
 QUICK = dict(hidden=64, ffn=512, tokens=256, experts=8, slots=3, layers=2, steps=24, slow_at=8,
              every=4, measure_tokens=512, measure_repeats=5)
 MEASURE_SHARES = (1.0, 1.0, 0.5, 0.5)
