@@ -29,7 +29,9 @@ process with its own timeout (a crash or an illegal address loses that check onl
 5. ``no-sync``: ``LoadTracker.record``, the routing flows and the re-split under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises.
    ``resplit``: ``csrc/resplit.cu`` through CuPy against the Numba re-split kernel, on
-   placements for 256 experts on 64 devices x 8 slots, and its time per layer (CUDA events).
+   placements for 256 experts on 64 devices x 8 slots (even and uneven speeds), 300 x 2 (more
+   devices than a block's threads) and 64 x 4 (no replicated expert), and its time per layer on
+   64 x 8 (CUDA events).
 6. ``syncs``: one ``ExpertParallelMoE`` step (forward, backward, ``clip_grad_norm_``) and a live
    migration (``apply_placement(blocking=False)``, then the step that commits it) under
    ``set_sync_debug_mode("warn")``; every sync is counted with its source line and compared
@@ -41,7 +43,7 @@ process with its own timeout (a crash or an illegal address loses that check onl
    copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16, timed with CUDA events
    over repeated launches by the dispatch benchmark's GPU section; target >= 80%.
 8. ``sanitize-memcheck``, ``sanitize-racecheck`` (``--sanitize``): checks 1 and 2 on small shapes
-   under ``compute-sanitizer`` (the caching allocator off, so out-of-bounds accesses show).
+   and the re-split on 300 x 2 and 64 x 4 under ``compute-sanitizer`` (the caching allocator off, so out-of-bounds accesses show).
 
 Without a CUDA GPU (and ``--device cuda``) it says so and exits 0 having checked nothing. It
 prints a table last. Exit status 1 when any check fails.
@@ -735,10 +737,18 @@ def check_syncs(args, figures) -> str:
 # -- the per-step re-split kernel (csrc/resplit.cu) ------------------------------------------
 
 
-def check_resplit(args, figures) -> str:
+# (devices, slots per device, uneven speeds, layers): 64 x 8 is the timed shape; 300 devices
+# take the kernel's thread-strided loops (256 threads) past one pass; 64 x 4 slots hold each of
+# the 256 experts once, so no expert is re-split (no colour class).
+RESPLIT_CASES = ((64, 8, False, 8), (64, 8, True, 8), (300, 2, True, 2), (64, 4, False, 1))
+SANITIZE_RESPLIT_CASES = ((300, 2, True, 1), (64, 4, False, 1))
+
+
+def check_resplit(args, figures, cases=RESPLIT_CASES, timed: bool = True) -> str:
     """The CUDA re-split (csrc/resplit.cu through CuPy) against the Numba kernel, on placements
-    planned for E = 256 on 64 devices x 8 slots, even and uneven speeds; and its time per layer
-    (CUDA events, one launch per layer)."""
+    planned for E = 256 on each case's devices (:data:`RESPLIT_CASES`); and the time of a layer
+    on 64 devices x 8 slots (CUDA events around the call, one launch per layer, after a first
+    call that compiles)."""
     import moebalance as mb
     from moebalance.dispatch.resplit_cuda import resplit_shares_cuda
     from moebalance.dispatch.routing import replica_table
@@ -747,20 +757,20 @@ def check_resplit(args, figures) -> str:
 
     rng = np.random.default_rng(args.seed)
     kernel = _jit.kernels("numba")
-    times = []
-    for uneven in (False, True):
-        speed = rng.choice([1.0, 0.5], 64) if uneven else np.ones(64)
-        topo = mb.Topology.from_arrays(speed=speed, slots=[8] * 64)
+    times, checked = [], 0
+    for G, slots, uneven, layers in cases:
+        speed = rng.choice([1.0, 0.5], G) if uneven else np.ones(G)
+        topo = mb.Topology.from_arrays(speed=speed, slots=[slots] * G)
         placement = mb.plan(rng.gamma(0.7, 100.0, size=(1, 256)), topo)
         table = replica_table(placement, 0)
         plan_cpu = resplit_plan(table, topo.speed)
         plan_gpu = resplit_plan(table.to("cuda"), topo.speed, device="cuda")
-        for _ in range(8):
+        for _ in range(layers):
             w = rng.poisson(rng.gamma(0.7, 300.0, 256)).astype(np.float64)
             w[rng.random(256) < 0.1] = 0.0
             for exact in (False, True):
                 want = table.share_EX.numpy().copy()
-                load = np.empty(64)
+                load = np.empty(G)
                 kernel.resplit_layer(w, plan_cpu.device_EX.numpy(), plan_cpu.speed_G.numpy(),
                                      plan_cpu.order_V.numpy(), want, load, RESPLIT_SWEEPS, exact)
                 w_gpu, share_gpu = torch.from_numpy(w).cuda(), table.share_EX.cuda()
@@ -771,14 +781,19 @@ def check_resplit(args, figures) -> str:
                                           exact=exact)
                 end.record()
                 torch.cuda.synchronize()
-                if exact:
+                if exact and (G, slots) == (64, 8) and checked:
                     times.append(start.elapsed_time(end) * 1e3)
+                checked += 1
                 if not np.allclose(got.cpu().numpy(), want, rtol=1e-9, atol=1e-12):
                     raise AssertionError(f"CUDA re-split differs from the Numba kernel "
-                                         f"(uneven={uneven}, exact={exact})")
+                                         f"({G} devices x {slots} slots, uneven={uneven}, "
+                                         f"exact={exact})")
+    shapes = ", ".join(f"{G} x {slots}" for G, slots, _, _ in cases)
+    detail = f"{checked} re-splits equal to the Numba kernel ({shapes} slots)"
+    if not timed or not times:
+        return detail
     figures.append({"name": "re-split (CUDA, exact)", "us_per_layer": float(np.median(times))})
-    return (f"32 layers equal to the Numba kernel; {np.median(times):.0f} us per layer "
-            f"(median, CUDA events, exact)")
+    return f"{detail}; {np.median(times):.0f} us per layer (median, CUDA events, exact)"
 
 
 # -- bandwidth ----------------------------------------------------------------------------------
@@ -806,9 +821,12 @@ def measure_bandwidth(args, figures) -> str:
 
 
 def sanitize_kernels(args, figures) -> str:
-    """Checks 1 and 2 on small shapes (run under compute-sanitizer by the parent)."""
+    """Checks 1 and 2 on small shapes, and the re-split on two (run under compute-sanitizer by
+    the parent)."""
     detail = check_kernels(args, figures, shapes=SANITIZE_KERNEL_SHAPES)
-    return detail + "; " + check_inputs(args, figures) + " (no sanitizer finding)"
+    detail += "; " + check_inputs(args, figures)
+    detail += "; " + check_resplit(args, figures, cases=SANITIZE_RESPLIT_CASES, timed=False)
+    return detail + " (no sanitizer finding)"
 
 
 CHECKS = [
@@ -822,9 +840,11 @@ CHECKS = [
     Check("syncs", "syncs (step + live migration)", ("cuda", "cpu"), 90, check_syncs),
     Check("bandwidth", "bandwidth (permute, combine vs copy)", ("cuda",), 90, measure_bandwidth,
           full_only=True),
-    Check("sanitize-memcheck", "compute-sanitizer memcheck (kernels, inputs)", ("cuda",), 150,
+    Check("sanitize-memcheck", "compute-sanitizer memcheck (kernels, inputs, re-split)",
+          ("cuda",), 150,
           sanitize_kernels, sanitizer="memcheck"),
-    Check("sanitize-racecheck", "compute-sanitizer racecheck (kernels, inputs)", ("cuda",), 150,
+    Check("sanitize-racecheck", "compute-sanitizer racecheck (kernels, inputs, re-split)",
+          ("cuda",), 150,
           sanitize_kernels, sanitizer="racecheck"),
 ]
 

@@ -67,6 +67,19 @@ def test_float_math_ignores_ftz_and_fmad_options(ftz, fmad, tmp_path):
     assert "mul.rn.f32" in text and "add.rn.f32" in text
 
 
+@nvcc
+def test_resplit_float_math_is_not_contracted_under_the_package_options(tmp_path):
+    # Bitwise agreement with the Numba reference rests on --fmad=false (with fused multiply-adds
+    # the kernel's sums round otherwise); -ftz=true, which CuPy appends, touches only float32.
+    ptx, source = tmp_path / "resplit.ptx", ROOT / "csrc" / resplit_cuda.SOURCE_FILE
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", *resplit_cuda.COMPILE_OPTIONS,
+                          "-ftz=true", "-o", str(ptx), str(source)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = ptx.read_text()
+    assert "fma." not in text and "mul.rn.f64" in text and "add.rn.f64" in text
+
+
 def _nvrtc_compiler():
     """CuPy's NVRTC wrapper when the NVRTC library loads (no GPU needed), else skip."""
     compiler = pytest.importorskip("cupy.cuda.compiler")

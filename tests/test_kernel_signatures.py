@@ -261,9 +261,34 @@ def test_launch_asserts_the_argument_count_before_touching_a_gpu(monkeypatch):
 
 
 def test_resplit_kernel_signature_matches_its_launch():
-    """csrc/resplit.cu declares its kernel inside an ``extern "C"`` block; the launcher in
+    """csrc/resplit.cu declares its kernel inside an ``extern "C"`` block; the launch in
     resplit_cuda.py passes 7 arrays, 6 int64 scalars and 2 work arrays, in that order."""
+    from dataclasses import fields
+
     from moebalance.dispatch import resplit_cuda
+    from moebalance.dispatch.shares import ResplitPlan
 
     params = kernel_signatures(resplit_cuda.source())[resplit_cuda.KERNEL_NAME]
     assert [p.kind for p in params] == ["ptr"] * 7 + ["i64"] * 6 + ["ptr"] * 2
+    tree = ast.parse((ROOT / "moebalance" / "dispatch" / "resplit_cuda.py").read_text())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+                    and n.name == "resplit_shares_cuda")
+    env = _env(function, {})
+    tensors = {f.name for f in fields(ResplitPlan) if "Tensor" in str(f.type)}
+    launches = [n for n in ast.walk(function) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "_SOURCE.launch"]
+    assert len(launches) == 1
+    name, args = launches[0].args[1], launches[0].args[4]
+    assert ast.unparse(name) == "KERNEL_NAME" and isinstance(args, ast.Tuple)
+    kinds = ["ptr" if isinstance(a, ast.Attribute) and ast.unparse(a.value) == "plan"
+             and a.attr in tensors else _kind(a, env) for a in args.elts]
+    assert kinds == [p.kind for p in params], list(zip(kinds, params))
+
+
+def test_a_launch_is_checked_before_any_gpu_is_touched():
+    from moebalance.dispatch import resplit_cuda
+
+    source = resplit_cuda._SOURCE
+    with pytest.raises(AssertionError, match="takes 15 arguments .* launched with 14"):
+        source.launch(None, resplit_cuda.KERNEL_NAME, 1, 256, (None,) * 7 + (1,) * 6 + (None,))
+    assert source.signatures() is source.signatures()       # parsed once

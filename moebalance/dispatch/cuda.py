@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
 from . import checks
 from .cuda_source import COMPILE_OPTIONS, SOURCE_PACKAGE, CudaSource
-from .kernel_signatures import Param, kernel_signatures
+from .kernel_signatures import Param
 from .reference import compute_dtype
 
 __all__ = ["route", "sort_by_slot", "gather_rows", "combine", "combine_weight_grad", "source",
@@ -49,7 +48,6 @@ _MAX_HIST_ENTRIES = 1 << 22
 _MIN_SORT_CHUNK = 256
 
 _SOURCE = CudaSource(SOURCE_FILE, probe=KERNEL_NAMES[0])
-_streams: dict[tuple[int, int], object] = {}
 
 
 def source() -> str:
@@ -57,10 +55,9 @@ def source() -> str:
     return _SOURCE.text()
 
 
-@functools.lru_cache(maxsize=None)
 def signatures() -> dict[str, tuple[Param, ...]]:
     """``{kernel: its parameters}`` read from :func:`source` (each launch is checked against it)."""
-    return kernel_signatures(source())
+    return _SOURCE.signatures()
 
 
 def _require_gpu() -> None:
@@ -83,43 +80,10 @@ def _on_cuda(**tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
-def _stream(device_index: int, handle: int):
-    """CuPy's view of torch's stream ``handle`` (one object per stream)."""
-    import cupy
-
-    stream = _streams.get((device_index, handle))
-    if stream is None:
-        stream = _streams[device_index, handle] = cupy.cuda.ExternalStream(handle, device_index)
-    return stream
-
-
 def _launch(device: torch.device, name: str, grid: int, args: tuple) -> None:
-    """Launch kernel ``name`` with ``grid`` blocks of _BLOCK threads on torch's current stream.
-
-    Tensors travel as raw device pointers (``data_ptr()``: no DLPack, no CuPy array), None as a
-    null pointer and Python ints as int64. Neither CuPy nor the driver checks a launch's
-    arguments, so each launch is checked here against the kernel's parameters as read from the
-    source: a missing argument would make the kernel read past its argument vector. The tensors
-    are used on the stream the caching allocator knows them on, so no record_stream is needed.
-    """
-    params = signatures()[name]
-    assert len(args) == len(params), (
-        f"{name} takes {len(params)} arguments ({', '.join(p.name for p in params)}), "
-        f"launched with {len(args)}")
-    packed = []
-    for a, param in zip(args, params):
-        if isinstance(a, torch.Tensor) or a is None:
-            assert param.kind == "ptr", f"{name}: {param.name} is a {param.kind}, got a pointer"
-            packed.append(np.uint64(0 if a is None else a.data_ptr()))
-        else:
-            assert param.kind == "i64", f"{name}: {param.name} is a {param.kind}, got an int"
-            packed.append(np.int64(a))
-    import cupy
-
-    index = _index(device)
-    kernel = _SOURCE.function(index, name)
-    with cupy.cuda.Device(index), _stream(index, torch.cuda.current_stream(index).cuda_stream):
-        kernel((max(1, grid),), (_BLOCK,), tuple(packed))
+    """Launch kernel ``name`` with ``grid`` blocks of _BLOCK threads on torch's current stream
+    (arguments checked and packed by :meth:`CudaSource.launch`)."""
+    _SOURCE.launch(device, name, grid, _BLOCK, args)
 
 
 def _index(device: torch.device) -> int:

@@ -2,7 +2,8 @@
 
 The source ships inside the package (``moebalance._csrc``) and is compiled by ``cupy.RawModule``
 (NVRTC) once per device; the kernel handle is cached. The launch runs on torch's current stream,
-tensors cross zero-copy through DLPack, and the output and scratch come from torch's caching
+tensors travel as raw device pointers checked against the kernel's parameters
+(:meth:`~.cuda_source.CudaSource.launch`), and the output and scratch come from torch's caching
 allocator: no host sync. Same sweeps and flow as :func:`.resplit_kernel.resplit_layer`.
 
 Importing this module never needs a GPU; calling it without CuPy and a CUDA device raises
@@ -13,12 +14,10 @@ Legend: E experts, X most replicas of an expert, G devices, C colour classes.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..backends import has_cupy_gpu
 from .cuda_source import COMPILE_OPTIONS, CudaSource
-from .kernel_signatures import kernel_signatures
 
 __all__ = ["SOURCE_FILE", "KERNEL_NAME", "COMPILE_OPTIONS", "MAX_REPLICAS", "source",
            "resplit_shares_cuda"]
@@ -62,26 +61,29 @@ def resplit_shares_cuda(w_E: torch.Tensor, share_EX: torch.Tensor, plan, *, swee
     if X > MAX_REPLICAS:
         raise ValueError(f"the CUDA re-split handles up to {MAX_REPLICAS} replicas of an expert, "
                          f"the placement has {X}; use the torch re-split backend")
+    # The kernel reads raw pointers: a short or misplaced tensor would be read out of bounds.
+    if tuple(w_E.shape) != (E,) or tuple(share_EX.shape) != (E, X):
+        raise ValueError(f"w_E must be [E] = [{E}] and share_EX [E, X] = [{E}, {X}] for this "
+                         f"ResplitPlan, got {tuple(w_E.shape)} and {tuple(share_EX.shape)}")
+    if share_EX.device != device:
+        raise ValueError(f"share_EX is on {share_EX.device}, w_E on {device}: put both on one "
+                         f"device")
+    for name, t, dtype in (("device_EX", plan.device_EX, torch.int64),
+                           ("speed_G", plan.speed_G, torch.float64),
+                           ("order_V", plan.order_V, torch.int64),
+                           ("class_starts_C1", plan.class_starts_C1, torch.int64)):
+        if t.dtype != dtype or t.device != device or not t.is_contiguous():
+            raise ValueError(f"ResplitPlan.{name} must be a contiguous {dtype} tensor on "
+                             f"{device}, got {t.dtype} on {t.device}; build the plan with "
+                             f"resplit_plan(table, speeds, device=w_E.device)")
     G = plan.speed_G.shape[0]
     C = plan.class_starts_C1.shape[0] - 1
-    import cupy
-
     w = w_E.to(torch.float64).contiguous()
     share = share_EX.to(torch.float64, copy=True).contiguous()
     load = torch.empty(G, dtype=torch.float64, device=device)
     fwork = torch.empty(E * X + E + 3 * G, dtype=torch.float64, device=device)
     iwork = torch.empty(E * X + 6 * E + 6 * G + 4, dtype=torch.int64, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _SOURCE.function(index, KERNEL_NAME)
-    stream = torch.cuda.current_stream(index)
-    args = [cupy.from_dlpack(t) for t in (w, plan.device_EX, plan.speed_G, plan.order_V,
-                                          plan.class_starts_C1, share, load)]
-    args += [np.int64(v) for v in (E, X, G, C, sweeps, 1 if exact else 0)]
-    args += [cupy.from_dlpack(fwork), cupy.from_dlpack(iwork)]
-    # Neither CuPy nor the driver checks a launch's arguments against the kernel's parameters.
-    params = kernel_signatures(source())[KERNEL_NAME]
-    assert len(args) == len(params), (
-        f"{KERNEL_NAME} takes {len(params)} arguments, launched with {len(args)}")
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-        kernel((1,), (_BLOCK,), tuple(args))
+    _SOURCE.launch(device, KERNEL_NAME, 1, _BLOCK,
+                   (w, plan.device_EX, plan.speed_G, plan.order_V, plan.class_starts_C1, share,
+                    load, E, X, G, C, sweeps, 1 if exact else 0, fwork, iwork))
     return share

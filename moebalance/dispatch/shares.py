@@ -211,9 +211,12 @@ def resplit_shares(w_E: torch.Tensor, share_EX: torch.Tensor, plan: ResplitPlan,
     sweeps = integer(sweeps, "sweeps", 0)
     name = backend("resplit", w_E.device.type)
     if name == "cuda" and w_E.device.type == "cuda":
-        from .resplit_cuda import resplit_shares_cuda
+        from .resplit_cuda import MAX_REPLICAS, resplit_shares_cuda
 
-        return resplit_shares_cuda(w_E, share_EX, plan, sweeps=sweeps, exact=exact)
+        # More replicas of one expert than the kernel's per-thread scratch holds: the torch
+        # form below (every rank holds the same placement, so every rank takes it alike).
+        if plan.device_EX.shape[1] <= MAX_REPLICAS:
+            return resplit_shares_cuda(w_E, share_EX, plan, sweeps=sweeps, exact=exact)
     if name == "numba" and w_E.device.type == "cpu":
         share = share_EX.to(torch.float64, copy=True)
         load = torch.empty(plan.speed_G.shape[0], dtype=torch.float64)
