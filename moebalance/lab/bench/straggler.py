@@ -49,13 +49,15 @@ DESCRIPTION = "Measured device speeds, and re-planning away from a straggler (4 
 # the cost of 1024 at that smaller shape.
 FULL = dict(hidden=256, ffn=2048, tokens=512, experts=8, slots=3, layers=2, steps=60, slow_at=20,
             every=5, measure_tokens=256, measure_repeats=24, min_change=0.1)
-QUICK = dict(hidden=64, ffn=512, tokens=256, experts=8, slots=3, layers=2, steps=24, slow_at=8,
-             every=4, measure_tokens=512, measure_repeats=5)
+# --quick: the same layers at half the tokens, half the steps (a D=64 layer's experts weighed too
+# little for a straggler to slow the step at all)
+QUICK = dict(FULL, tokens=256, steps=30, slow_at=10, measure_repeats=16)
 MEASURE_SHARES = (1.0, 1.0, 0.5, 0.5)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smaller layers, fewer steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="half the tokens and steps (about 45 s)")
     parser.add_argument("--ranks", type=positive_int_arg, default=4, help="gloo ranks (default 4)")
     parser.add_argument("--steps", type=positive_int_arg, default=None,
                         help=f"training steps (default {FULL['steps']}, quick {QUICK['steps']})")
