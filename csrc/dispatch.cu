@@ -152,6 +152,8 @@ extern "C" __global__ void slot_chunk_scatter(const i64* __restrict__ slot_N, i6
             q = cursor_SC[s * num_chunks + c] + __popc(peers & lower_lanes);
             pos_N[i] = q;
             order_N[q] = i;
+        } else if (i < end) {
+            pos_N[i] = -1;  // a dropped pair (slot -1) has no position: combine skips it
         }
         __syncwarp();  // every peer has read the cursor before its leader moves it
         if (valid && lane == __ffs(peers) - 1) cursor_SC[s * num_chunks + c] += __popc(peers);
@@ -264,7 +266,10 @@ __device__ __forceinline__ void weight_grad(const T* __restrict__ grad, const T*
     const int lane = lane_id();
     for (i64 p = global_warp(); p < pairs; p += warps_in_grid()) {
         const i64 r = pos[p];
-        if (r < 0 || r >= num_rows) continue;
+        if (r < 0 || r >= num_rows) {  // a dropped pair: no row, no gradient for its weight
+            if (lane == 0) out[p] = C(0);
+            continue;
+        }
         const T* g = grad + (p / top_k) * dim;
         const T* row = y + r * dim;
         C acc = C(0);

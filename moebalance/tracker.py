@@ -174,7 +174,9 @@ class LoadTracker:
                               if self.window is not None else None)
             self._ema_LE = (torch.zeros(L, E, dtype=torch.float64, device=device)
                             if self.ema is not None else None)
-        self.device = device
+        # The buffers' own device: "cuda" names cuda:<current>, and a tensor's device is never
+        # the bare "cuda" that record() compares against.
+        self.device = self._live_LB.device
 
     @property
     def steps(self) -> int:

@@ -3,7 +3,7 @@
 The one command for a machine with a CUDA GPU, from the repository root:
 
     python3 scripts/gpu_check.py                  # every check, sized for <= 6 min on one H200
-    python3 scripts/gpu_check.py --sanitize       # + compute-sanitizer memcheck, racecheck (5 min)
+    python3 scripts/gpu_check.py --sanitize       # + compute-sanitizer memcheck, synccheck (5 min)
     python3 scripts/gpu_check.py --only kernels   # one check (repeat --only for more)
     python3 scripts/gpu_check.py --device cpu     # the checks' CPU forms (any machine)
 
@@ -42,8 +42,11 @@ process with its own timeout (a crash or an illegal address loses that check onl
 7. ``bandwidth``: GB/s of the CUDA gather_rows (permute) and combine kernels against the device's
    copy bandwidth (``copy_`` of the same bytes), float32 and bfloat16, timed with CUDA events
    over repeated launches by the dispatch benchmark's GPU section; target >= 80%.
-8. ``sanitize-memcheck``, ``sanitize-racecheck`` (``--sanitize``): checks 1 and 2 on small shapes
-   and the re-split on 300 x 2 and 64 x 4 under ``compute-sanitizer`` (the caching allocator off, so out-of-bounds accesses show).
+8. ``sanitize-memcheck``, ``sanitize-synccheck`` (``--sanitize``): checks 1 and 2 on small shapes
+   and the re-split on 300 x 2 and 64 x 4 under ``compute-sanitizer`` (the caching allocator
+   off, so out-of-bounds accesses show). synccheck, not racecheck: the kernels use no shared
+   memory, and the warp intrinsics (``__match_any_sync``, ``__syncwarp``, shuffles) are what
+   synccheck checks.
 
 Without a CUDA GPU (and ``--device cuda``) it says so and exits 0 having checked nothing. It
 prints a table last. Exit status 1 when any check fails.
@@ -142,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small shapes only, no bandwidth")
     parser.add_argument("--sanitize", action="store_true",
                         help="also run the kernel checks under compute-sanitizer (memcheck, "
-                             "racecheck) on small shapes")
+                             "synccheck) on small shapes")
     parser.add_argument("--only", action="append", choices=[c.name for c in CHECKS],
                         metavar="NAME", help="run only this check (repeatable): "
                         + ", ".join(c.name for c in CHECKS))
@@ -470,10 +473,14 @@ def check_no_sync(args, figures) -> str:
     ids = [torch.randint(0, E, (T, K), device="cuda", generator=gen) for _ in range(L)]
     tracker.record(0, ids[0])                       # first call allocates the counts
     rng = np.random.default_rng(seed)
-    phy2log = np.concatenate([np.arange(E), rng.permutation(E)[:16]])
+    # 80 slots on 8 devices: each expert once in slots 0-63, then 16 second replicas in slots
+    # 64-79 (devices 6 and 7) of experts from devices 0-5, so no device holds an expert twice
+    phy2log = np.concatenate([np.arange(E), rng.permutation(60)[:16]])
     device = np.repeat(np.arange(8), 10)
     share = 1.0 / np.bincount(phy2log, minlength=E)[phy2log]
-    table = replica_table(Placement(phy2log[None], share[None], device, E), 0, "cuda")
+    placement = Placement(phy2log[None], share[None], device, E)
+    placement.validate()
+    table = replica_table(placement, 0, "cuda")
     plan = resplit_plan(table, np.linspace(0.5, 1.5, 8), "cuda")
     counts = torch.randint(0, 500, (8, E), device="cuda", generator=gen)
     masks = torch.tensor([[g < 4 for g in range(8)], [g >= 4 for g in range(8)]], device="cuda")
@@ -491,7 +498,6 @@ def check_no_sync(args, figures) -> str:
     if not torch.equal(flow.sum(dim=2), counts):
         raise AssertionError("the flows under sync-debug mode do not add up to the counts")
     return "12 record calls, 3 re-splits and flow tables without a host sync"
-
 
 
 
@@ -545,7 +551,8 @@ def check_inputs(args, figures) -> str:
                                             pos.to(device)).cpu(),
                 reference.combine_weight_grad(grad, y, pos), rtol=tol, atol=tol * D)
             cases += 4
-    # Expert id -1 (a dropped pair): slot -1, and the sort gives it no position. The CPU
+    # Expert id -1 (a dropped pair): slot -1, and the sort gives it position -1 (no row, a zero
+    # gradient for its weight). The CPU
     # kernels check ids on the host instead, so there it must be a clear ValueError.
     shape = KERNEL_SHAPES[1]
     T, K, E, S, D = shape
@@ -571,10 +578,20 @@ def check_inputs(args, figures) -> str:
         _expect_equal(order[:valid], ref_order, "sort_by_slot order with slot -1", shape)
         _expect_equal(counts, torch.bincount(flat[keep], minlength=S), "counts with slot -1",
                       shape)
-        place = torch.empty_like(ref_order)
-        place[torch.argsort(ref_order)] = torch.arange(valid)
+        # the kept pairs, in flat order, sit where ref_order lists them
+        place = torch.argsort(ref_order)
         _expect_equal(pos.reshape(-1)[keep.to(device)], place,
                       "sort_by_slot positions with slot -1", shape)
+        _expect_equal(pos.reshape(-1)[~keep.to(device)], torch.full((T * K - valid,), -1),
+                      "sort_by_slot: a dropped pair's position is -1", shape)
+        y = torch.randn(valid, D)
+        grad = torch.randn(T, D)
+        got = kernels.combine_weight_grad(on(grad), on(y), pos)
+        want = torch.zeros(T * K, dtype=torch.float32)
+        want[keep.reshape(-1)] = (grad.repeat_interleave(K, 0)[keep.reshape(-1)]
+                                  * y[place]).sum(1)
+        torch.testing.assert_close(got.reshape(-1).cpu(), want, rtol=1e-4, atol=1e-4 * D,
+                                   msg=lambda m: f"combine_weight_grad with dropped pairs: {m}")
     cases += 1
     # Empty inputs: no pairs, no rows, no columns.
     empty = torch.empty(0, 2, dtype=torch.int64)
@@ -793,7 +810,8 @@ def check_resplit(args, figures, cases=RESPLIT_CASES, timed: bool = True) -> str
     if not timed or not times:
         return detail
     figures.append({"name": "re-split (CUDA, exact)", "us_per_layer": float(np.median(times))})
-    return f"{detail}; {np.median(times):.0f} us per layer (median, CUDA events, exact)"
+    return (f"{detail}; {np.median(times):.0f} us per layer (median, CUDA events around the "
+            f"call as the dispatcher makes it: host checks, copies and the launch included)")
 
 
 # -- bandwidth ----------------------------------------------------------------------------------
@@ -843,9 +861,9 @@ CHECKS = [
     Check("sanitize-memcheck", "compute-sanitizer memcheck (kernels, inputs, re-split)",
           ("cuda",), 150,
           sanitize_kernels, sanitizer="memcheck"),
-    Check("sanitize-racecheck", "compute-sanitizer racecheck (kernels, inputs, re-split)",
+    Check("sanitize-synccheck", "compute-sanitizer synccheck (kernels, inputs, re-split)",
           ("cuda",), 150,
-          sanitize_kernels, sanitizer="racecheck"),
+          sanitize_kernels, sanitizer="synccheck"),
 ]
 
 

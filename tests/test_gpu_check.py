@@ -98,7 +98,7 @@ def test_only_and_sanitize_select_checks(gpu_check):
     assert names("--only", "kernels", "--only", "syncs") == ["kernels", "syncs"]
     assert names() == ["kernels", "inputs", "experts", "moe", "no-sync", "resplit", "syncs",
                        "bandwidth"]
-    assert names("--sanitize")[-2:] == ["sanitize-memcheck", "sanitize-racecheck"]
+    assert names("--sanitize")[-2:] == ["sanitize-memcheck", "sanitize-synccheck"]
     assert "bandwidth" not in names("--quick")
     assert names("--device", "cpu", "--only", "bandwidth") == []   # no CPU form
     with pytest.raises(SystemExit):

@@ -63,7 +63,10 @@ class CudaSource:
         """The kernel ``name`` of one device's module (looked up once)."""
         function = self._functions.get((device_index, name))
         if function is None:
-            function = self.module(device_index).get_function(name)
+            import cupy
+
+            with cupy.cuda.Device(device_index):  # CuPy loads a module on its current device
+                function = self.module(device_index).get_function(name)
             self._functions[device_index, name] = function
         return function
 

@@ -84,7 +84,9 @@ def sort_by_slot(slot_TK: torch.Tensor,
     order_N = torch.argsort(flat, stable=True)
     pos = torch.empty_like(order_N)
     pos[order_N] = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
-    counts_S = torch.bincount(flat, minlength=num_slots)
+    # not torch.bincount: on a GPU it reads the largest id on the host to size its output
+    counts_S = torch.zeros(num_slots, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
     return order_N, pos.view(slot_TK.shape), counts_S
 
 
