@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GroupError", "GroupValueError", "GroupTypeError", "Attempt", "agree",
-           "raise_failures", "flag_device", "describe", "backward_attempt",
+           "raise_failures", "backends", "only_gloo", "flag_device", "collective_device",
+           "describe", "backward_attempt",
            "take_backward_failure", "close_backward", "note_gradients", "non_finite",
            "agree_spreading_non_finite", "mark_non_finite"]
 
@@ -125,13 +126,40 @@ class Attempt:
             self.fail(exc)
 
 
+def backends(group) -> dict[str, str]:
+    """``{device type: backend}`` of ``group``, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
+
+    Read from the group's configuration, not from ``get_backend``: a group made by
+    ``init_process_group()`` with no backend name (torchrun scripts often do) is "undefined"
+    there, and holds one backend for the machine's accelerator (NCCL on a GPU machine, CPU
+    tensors refused) or for the CPU (gloo).
+    """
+    config = dist.get_backend_config(group)
+    return {device.strip(): name.strip() for device, _, name in
+            (part.partition(":") for part in str(config).lower().split(",")) if name}
+
+
+def only_gloo(group) -> bool:
+    """Whether every tensor ``group`` carries travels on gloo."""
+    return set(backends(group).values()) == {"gloo"}
+
+
 def flag_device(group) -> torch.device:
-    """Where a flag can travel in ``group``: the CPU if its backend takes CPU tensors (gloo),
+    """Where a flag can travel in ``group``: the CPU if a backend of it takes CPU tensors (gloo),
     else the current CUDA device."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "nccl" not in backend:
+    if "cpu" in backends(group):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def collective_device(group) -> torch.device:
+    """Where a rank with no tensor of its own (nothing recorded, no gradient) puts the one it
+    reduces with its peers' in ``group``: the current CUDA device where a backend other than
+    gloo serves CUDA tensors (the peers' tensors are on their GPUs, and a CPU tensor would go to
+    another backend or be refused), else the CPU."""
+    if backends(group).get("cuda", "gloo") != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _world(group) -> int:
@@ -278,8 +306,8 @@ def non_finite(params) -> torch.Tensor:
     """Whether a gradient of ``params`` holds a non-finite value: a bool tensor from one
     reduction on the device, no host sync."""
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-    if not grads:
-        return torch.tensor(False)
+    if not grads:   # on the parameters' device: the flags of a backward's layers are stacked
+        return torch.zeros((), dtype=torch.bool, device=params[0].device if params else "cpu")
     if grads[0].device.type == "cpu":
         # The inf-norm has no vectorised CPU kernel: 3 ms for a layer's 1.2M fp32 gradients,
         # against 0.15 ms for their extremes (which NaN and +-inf reach alike).

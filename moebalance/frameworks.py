@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .collective_errors import backends
+
 __all__ = ["ExpertSlotNames", "slot_names", "exclude_experts_from_ddp", "active_ddp",
            "check_ddp", "broadcast_from_rank0", "check_optimizer", "warn_on_per_rank_clipping"]
 
@@ -187,6 +189,7 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     buckets: dict = {}
     for t in unique:
         buckets.setdefault((t.dtype, t.device), []).append(t)
+    served = backends(group)
     with torch.no_grad():
         for bucket_tensors in buckets.values():
             chunk, size = [], 0
@@ -197,7 +200,11 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
                     size += t.numel() * t.element_size()
                     continue
                 flat = _flatten_dense_tensors([c.detach() for c in chunk])
+                if flat.device.type not in served:
+                    # e.g. a model still on the CPU in an NCCL-only group: through the GPU
+                    flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
                 dist.broadcast(flat, group_src=0, group=group)
+                flat = flat.to(chunk[0].device)
                 for c, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
                     c.copy_(value)
                 chunk, size = ([t], t.numel() * t.element_size()) if t is not None else ([], 0)

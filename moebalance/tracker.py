@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._check import positive_int
-from .collective_errors import Attempt, GroupValueError, agree
+from .collective_errors import Attempt, GroupValueError, agree, collective_device
 
 # Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second
 # tracker on the same router would count every token twice over two trackers without a word. Weak
@@ -322,10 +322,8 @@ class LoadTracker:
         distributed = (dist.is_available() and dist.is_initialized()
                        and dist.get_world_size(group) > 1)
         if self.device is None:
-            # Nothing recorded here yet: contribute zeros, on a device the backend can reduce.
-            nccl = distributed and dist.get_backend(group) == "nccl"
-            device = (torch.device("cuda", torch.cuda.current_device()) if nccl
-                      else torch.device("cpu"))
+            # Nothing recorded here yet: contribute zeros where the peers' counts are.
+            device = collective_device(group) if distributed else torch.device("cpu")
             loads_LV = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64,
                                    device=device)
         else:

@@ -57,6 +57,7 @@ class Group:
     timeout_s: float
     collective_timeout_s: float
     preload: tuple = ()
+    backend: str | None = "gloo"
 
 
 # Every group registered by an imported test module, by module name.
@@ -87,7 +88,8 @@ def _wait_for_turn(control_dir: str, index: int) -> str:
 def _run_group(group: Group, rank: int, init_file: str, record) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    # backend None: what init_process_group() picks by itself ("undefined", gloo for the CPU)
+    dist.init_process_group(group.backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=group.world_size,
                             timeout=timedelta(seconds=group.collective_timeout_s))
     try:
@@ -300,7 +302,8 @@ def selected_groups(items) -> list:
 
 
 def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float = 300.0,
-                 collective_timeout_s: float = 30.0, quiet: bool = False, preload=()):
+                 collective_timeout_s: float = 30.0, quiet: bool = False, preload=(),
+                 backend: str | None = "gloo"):
     """Register a test module's ``cases`` as group ``group`` (its ``__name__``) of the shared
     spawn and return the module-scoped ``dist_results`` fixture that gives their outcomes.
 
@@ -315,6 +318,8 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
             the group runs (see ``_launches.py``).
         preload: modules the cases import when they run (``"lightning"``), imported once by
             the ranks' server where their package is installed.
+        backend: the process group's backend; None: none named, as ``init_process_group()``
+            called bare (torchrun scripts often do).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -322,7 +327,7 @@ def shared_spawn(cases: list, group: str, world_size: int = 4, timeout_s: float 
     if len(set(names)) != len(names):
         raise ValueError(f"cases of group {group} must have distinct names, got {names}")
     _GROUPS[group] = Group(group, list(cases), world_size, float(timeout_s),
-                           float(collective_timeout_s), tuple(preload))
+                           float(collective_timeout_s), tuple(preload), backend)
 
     @pytest.fixture(scope="module", name="dist_results")
     def dist_results(dist_spawns, background):

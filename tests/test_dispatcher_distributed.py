@@ -588,6 +588,9 @@ def test_auto_picks_p2p_on_gloo_and_all_to_all_on_other_backends():
     assert auto_exchange("mpi", "cpu") == "all_to_all"
     assert auto_exchange("cpu:gloo,cuda:nccl", "cpu") == "p2p"
     assert auto_exchange("cpu:gloo,cuda:nccl", "cuda") == "all_to_all"
+    # init_process_group() without a backend name: one backend, for the machine's device type
+    assert auto_exchange("cpu:gloo", "cpu") == "p2p"
+    assert auto_exchange("cuda:nccl", "cuda") == "all_to_all"
 
 
 def test_nodes_must_name_the_node_of_every_rank():

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .._check import index, integer
-from ..collective_errors import Attempt, GroupValueError, agree, raise_failures
+from ..collective_errors import Attempt, GroupValueError, agree, flag_device, raise_failures
 from ..placement import Placement
 from .autograd import CombineRows, DispatchRows
 from .buffers import release_buffers
@@ -245,7 +245,9 @@ class Dispatcher:
             if self.rank < 0:
                 raise ValueError("this process is not a member of group; build the Dispatcher "
                                  "only on the ranks of its expert-parallel group")
-            self._backend = str(dist.get_backend(group))
+            # per device type ("cpu:gloo,cuda:nccl"): get_backend says "undefined" for a group
+            # that init_process_group() made without a backend name
+            self._backend = str(dist.get_backend_config(group))
         elif group is not None:
             raise ValueError("group was given but torch.distributed is not initialised; call "
                              "torch.distributed.init_process_group first, or pass group=None")
@@ -396,9 +398,9 @@ class Dispatcher:
         the group's backend needs."""
         if isinstance(x_TD, torch.Tensor):
             return x_TD.device
-        if self._backend is not None and "nccl" in self._backend.lower():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        if self._backend is None:
+            return torch.device("cpu")
+        return flag_device(self.group)
 
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """[G, E + 2] int64: every rank's row of the count exchange (one all-gather)."""

@@ -276,10 +276,10 @@ def _slot_major_index(recv_GL: torch.Tensor, num_rows: int):
 def auto_exchange(backend: str, device_type: str) -> str:
     """The exchange "auto" picks for rows on ``device_type`` in a group of ``backend``.
 
-    ``backend`` is what ``torch.distributed.get_backend`` returns: one name ("gloo", "nccl") or
-    one per device type ("cpu:gloo,cuda:nccl"). Point-to-point messages win on gloo (no reorder
-    pass, own rows never enter the transport); elsewhere one all_to_all_single is the efficient
-    collective.
+    ``backend`` is one name ("gloo", "nccl") or one per device type, as
+    ``torch.distributed.get_backend_config`` gives it ("cpu:gloo,cuda:nccl", "cpu:gloo").
+    Point-to-point messages win on gloo (no reorder pass, own rows never enter the transport);
+    elsewhere one all_to_all_single is the efficient collective.
     """
     name = backend.lower()
     if ":" in name:

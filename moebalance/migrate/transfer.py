@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..collective_errors import GroupError
+from ..collective_errors import GroupError, only_gloo
 from ..device_index import to_device_async
 from .plan import MigrationPlan
 from .wire import (
@@ -152,7 +152,7 @@ class Migrator:
         the agreement keep ``group``; after a failure every rank drops it and the next migration
         connects anew. Other backends (NCCL) move the rows in ``group`` itself.
         """
-        if dist.get_backend(self.group) != "gloo":
+        if not only_gloo(self.group):
             return self.group
         key = group_key(self.group)
         pg = _TRANSFER_GROUPS.get(key)
@@ -266,7 +266,7 @@ class Migration:
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
         self._hooks = []
-        self._gloo = migrator.world_size == 1 or dist.get_backend(migrator.group) == "gloo"
+        self._gloo = migrator.world_size == 1 or only_gloo(migrator.group)
         if optimizer is not None:
             self._hooks = [optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._start_next()
@@ -396,16 +396,14 @@ class Migration:
         if not ops:
             return []
         group = self.migrator.transfer_group()
-        works = []
-        for is_send, peer, tensor, tag in ops:
-            if isinstance(group, dist.ProcessGroupGloo):
-                works.append(group.send([tensor], peer, tag) if is_send
-                             else group.recv([tensor], peer, tag))
-            elif is_send:
-                works.append(dist.isend(tensor, group=group, group_dst=peer, tag=tag))
-            else:
-                works.append(dist.irecv(tensor, group=group, group_src=peer, tag=tag))
-        return works
+        if isinstance(group, dist.ProcessGroupGloo):
+            return [group.send([tensor], peer, tag) if is_send else group.recv([tensor], peer, tag)
+                    for is_send, peer, tensor, tag in ops]
+        # One batch (NCCL: one group call): a lone NCCL send may wait for its receive to be
+        # posted, so two ranks swapping rows with separate sends would wait on each other.
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group,
+                       group_peer=peer, tag=tag) for is_send, peer, tensor, tag in ops])
 
     # -- committing --------------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..collective_errors import backends
+
 __all__ = ["TAG_SPACES", "tag_space", "same_everywhere", "flag_device", "group_key"]
 
 DISPATCH_TAGS = 1 << 24
@@ -65,8 +67,8 @@ def group_key(group) -> tuple:
 
 
 def flag_device(group, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on a device the group's backend can reduce (NCCL: the current GPU)."""
-    if dist.get_backend(group) == "nccl":
+    """``tensor`` on a device the group's backend can reduce (NCCL alone: the current GPU)."""
+    if tensor.device.type not in backends(group):
         return tensor.to(torch.device("cuda", torch.cuda.current_device()))
     return tensor
 

@@ -531,7 +531,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             continue
         g = g.detach().double()
         parts.append(g.abs().max() if norm_type == float("inf") and g.numel() else g.pow(2).sum())
-    device = grads[0].device if grads else torch.device("cpu")
+    # a rank without gradients reduces on its parameters' device, as its peers do
+    device = grads[0].device if grads else next(
+        (p.device for p in module.parameters()), torch.device("cpu"))
     total = (torch.stack(parts).to(device) if parts
              else torch.zeros(1, dtype=torch.float64, device=device))
     if norm_type == float("inf"):
