@@ -120,6 +120,11 @@ def _run(rank: int, world_size: int, init_method: str | None, backend: str, time
             import numba
 
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        # One GPU per rank (torchrun's LOCAL_RANK, else the rank): NCCL refuses two ranks on one
+        # GPU, and object collectives use the current device.
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     if init_method is None:
         dist.init_process_group(backend, **kwargs)            # env:// from torchrun

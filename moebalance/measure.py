@@ -57,10 +57,12 @@ def node_key() -> str:
 
 
 def free_memory(device: torch.device, ranks_on_node: int) -> int:
-    """Bytes free for this rank: the GPU's free memory, or the host's available memory shared
-    by its ``ranks_on_node`` ranks."""
+    """Bytes free for this rank: the GPU's free memory and the blocks torch's caching allocator
+    holds unused (free to this process, not to the driver), or the host's available memory
+    shared by its ``ranks_on_node`` ranks."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
     available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -159,7 +161,9 @@ class _ExpertTimer:
 
     def events(self, repeats: int) -> list[float]:
         """Seconds of each of ``repeats`` forwards, between CUDA events (one sync at the end)."""
-        with torch.no_grad():
+        # on the experts' device, whichever is current: events record on the current device's
+        # stream, and the experts run on theirs
+        with torch.no_grad(), torch.cuda.device(self.device):
             pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(repeats)]
             for start, end in pairs:

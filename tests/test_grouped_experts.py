@@ -85,3 +85,16 @@ def test_use_grouped_mm_false_forces_the_loop():
     x, counts = _rows(9, 8, 16, torch.float32)
     experts.use_grouped_mm = False
     assert torch.equal(experts(x, counts), looped_swiglu(x, experts.gate_up, experts.down, counts))
+
+
+@needs_grouped_mm
+def test_slot_experts_under_autocast_run_the_loop_that_autocast_casts():
+    # bf16 rows against fp32 weights (torch.autocast with fp32 master weights): _grouped_mm
+    # takes one dtype and autocast does not cast it; the loop's matmuls are cast.
+    experts = _experts(8, 8, 32, 24, torch.float32)
+    x, counts = _rows(9, 8, 32, torch.bfloat16)
+    assert grouped_mm_runs(x, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = experts(x, counts)
+        want = looped_swiglu(x, experts.gate_up, experts.down, counts)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -51,7 +51,7 @@ def _gather_rows(rows_L: torch.Tensor, layer: ExpertSlots) -> torch.Tensor:
                     rows_L.detach().index_select(0, mine))
     if layer.dispatcher.world_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=layer.dispatcher.group)
-    return out
+    return out.cpu()      # every expert of the model would not fit on one GPU beside it
 
 
 def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -63,14 +63,16 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
 
     Returns:
         ``{"model": state dict in DenseMoE layout, "optimizer": {...} or None,
-        "placement": {"phy2log", "share", "slot_device", "num_experts"}}``, the same on every rank.
+        "placement": {"phy2log", "share", "slot_device", "num_experts"}}``, the same on every rank,
+        every tensor on the CPU (the whole model's experts gathered would not fit beside it on
+        a GPU).
     """
     layers = moe_layers(module)
     if not layers:
         raise ValueError(f"{type(module).__name__} holds no expert-parallel layer")
     _drain(layers)
     prefixes = _layer_prefixes(module)
-    state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+    state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
              for k, v in module.state_dict().items()}
     slot_owner = {}
     for layer in layers:
@@ -100,8 +102,8 @@ def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None
                             and value.shape == p.shape:
                         logical[key] = _gather_rows(value, slot_owner[id(p)])
                     else:
-                        other[key] = (value.detach().clone() if isinstance(value, torch.Tensor)
-                                      else value)
+                        other[key] = (value.detach().to("cpu", copy=True)
+                                      if isinstance(value, torch.Tensor) else value)
                 per_param[names[id(p)]] = {"logical": logical, "other": other}
         out["optimizer"] = {"state": per_param, "param_groups": groups}
     return out
@@ -147,17 +149,33 @@ def load_expert_state_dict(module: nn.Module, state: dict,
     params = dict(module.named_parameters())
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     for fqn, entry in saved["state"].items():
         p = params.get(fqn)
         if p is None:
             raise ValueError(f"optimizer state for {fqn!r} has no parameter in this model")
-        restored = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+        restored = {k: _placed(v, k, p, group_of.get(id(p), {}))
                     for k, v in entry["other"].items()}
         for k, full in entry["logical"].items():
             restored[k] = (full.index_select(0, slot_rows[id(p)].to(full.device))
                            .to(p.device).clone())
         if restored:
             optimizer.state[p] = restored
+
+
+def _placed(value, key: str, param: torch.Tensor, group: dict):
+    """A saved optimizer state value where ``torch.optim.Optimizer.load_state_dict`` would put it
+    (the checkpoint is read onto the CPU): beside its parameter, in its dtype if floating; but
+    Adam's ``step`` stays on the CPU unless the group is fused or capturable."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device).clone()
+        return value.clone()
+    if param.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device).clone()
+    return value.to(device=param.device).clone()
 
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer=None) -> None:

@@ -182,7 +182,10 @@ class SlotExperts(nn.Module):
         return self._own_slots(x_MD, tokens_per_slot)
 
     def _own_slots(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
-        if self.use_grouped_mm and grouped_mm_runs(x_MD, self.ffn_dim):
+        # rows and weights of one dtype: _grouped_mm is not cast by autocast (bf16 rows, fp32
+        # weights), where the loop's matmuls are
+        if (self.use_grouped_mm and self.gate_up.dtype == self.down.dtype == x_MD.dtype
+                and grouped_mm_runs(x_MD, self.ffn_dim)):
             return grouped_swiglu(x_MD, self.gate_up, self.down, tokens_per_slot)
         if isinstance(tokens_per_slot, torch.Tensor):
             tokens_per_slot = tokens_per_slot.tolist()
