@@ -105,6 +105,7 @@ class _LayerTransfer:
     bytes_sent: int
     # CUDA: recorded on the side stream after the staging; the commit's stream waits for it.
     ready: torch.cuda.Event | None = None
+    sent: list = ()       # the send buffers (CUDA: handed to the current stream once sent)
 
 
 class Migrator:
@@ -342,7 +343,7 @@ class Migration:
                              f"{MIGRATION_TAG_KINDS}")
         device = kinds[0].device
         ops: list[tuple] = []     # (is_send, peer, tensor, tag)
-        staged = []
+        staged, send_bufs = [], []
         sent = 0
         tag0 = (MIGRATION_TAG_BASE
                 + (self._number % MIGRATION_NUMBERS) * MIGRATION_TAG_LAYERS * MIGRATION_TAG_KINDS
@@ -375,6 +376,7 @@ class Migration:
                     if num_out:
                         buf = tensor.index_select(0, index[o0:o1])
                         ops.append((True, peer, buf, tag0 + k))
+                        send_bufs.append(buf)
                         sent += buf.numel() * buf.element_size()
                     if num_inc:
                         local = index[l0:l1]
@@ -389,7 +391,7 @@ class Migration:
                 ready = torch.cuda.Event()
                 ready.record(side)
         self.bytes_sent += sent
-        return _LayerTransfer(works, staged, self._optimizer_steps, sent, ready)
+        return _LayerTransfer(works, staged, self._optimizer_steps, sent, ready, send_bufs)
 
     def _issue(self, ops: list[tuple]) -> list:
         """Post ``ops`` ((is_send, peer, tensor, tag)) and return their works (the fault seam)."""
@@ -470,6 +472,10 @@ class Migration:
                 _check_staged(tensor, local, rows_in)
                 if rows_in.is_cuda:   # staged on the side stream, read on the current one
                     rows_in.record_stream(torch.cuda.current_stream(rows_in.device))
+            for buf in transfer.sent:
+                if buf.is_cuda:       # made on the side stream, read by NCCL until the
+                    # current stream's wait above: not to be reused before that point
+                    buf.record_stream(torch.cuda.current_stream(buf.device))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the same error on all ranks
             return False, f"{type(exc).__name__}: {exc}".strip()
         return True, ""
