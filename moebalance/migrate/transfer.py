@@ -105,7 +105,7 @@ class _LayerTransfer:
     bytes_sent: int
     # CUDA: recorded on the side stream after the staging; the commit's stream waits for it.
     ready: torch.cuda.Event | None = None
-    sent: list = ()       # the send buffers (CUDA: handed to the current stream once sent)
+    send_bufs: list = ()  # the send buffers (CUDA: handed to the current stream once sent)
 
 
 class Migrator:
@@ -472,7 +472,7 @@ class Migration:
                 _check_staged(tensor, local, rows_in)
                 if rows_in.is_cuda:   # staged on the side stream, read on the current one
                     rows_in.record_stream(torch.cuda.current_stream(rows_in.device))
-            for buf in transfer.sent:
+            for buf in transfer.send_bufs:
                 if buf.is_cuda:       # made on the side stream, read by NCCL until the
                     # current stream's wait above: not to be reused before that point
                     buf.record_stream(torch.cuda.current_stream(buf.device))
