@@ -23,6 +23,7 @@ expert slots per rank (:func:`moebalance.clip_grad_norm_` clips by the global no
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import weakref
 
@@ -243,26 +244,40 @@ def mark_slot_parameters(params) -> None:
 
 
 _warned = False
+_checks_left = 20          # reads of a GPU norm (each a host sync) before the check gives up
+CLIPPED_MARK = "_moebalance_globally_clipped"   # set on gradients mb.clip_grad_norm_ scaled
 
 
 def warn_on_per_rank_clipping() -> None:
     """Make ``torch.nn.utils.clip_grad_norm_`` warn once when it clips expert slot gradients per
-    rank in a group of several ranks (ranks, and replicas of one expert, would scale apart)."""
+    rank in a group of several ranks (ranks, and replicas of one expert, would scale apart).
+
+    Reading a GPU norm is a host sync: the check skips gradients ``mb.clip_grad_norm_`` has
+    just clipped (a framework's own clip after it is a no-op), an infinite ``max_norm``, and
+    gives up on GPU norms after :data:`_checks_left` calls."""
     original = torch.nn.utils.clip_grad_norm_
     if getattr(original, "_moebalance_checked", False):
         return
 
     @functools.wraps(original)
     def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-        global _warned
+        global _warned, _checks_left
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         parameters = list(parameters)
         norm = original(parameters, max_norm, *args, **kwargs)
-        if (not _warned and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1
-                and any(getattr(p, SLOT_MARK, False) for p in parameters)
-                and bool(norm > max_norm)):
+        if (_warned or not dist.is_available() or not dist.is_initialized()
+                or dist.get_world_size() == 1 or not math.isfinite(float(max_norm))):
+            return norm
+        slots = [p for p in parameters if getattr(p, SLOT_MARK, False) and p.grad is not None]
+        # Not after mb.clip_grad_norm_ (Lightning clips again to the same value: a no-op).
+        if not slots or getattr(slots[0].grad, CLIPPED_MARK, False):
+            return norm
+        if norm.device.type != "cpu":
+            if _checks_left <= 0:
+                return norm
+            _checks_left -= 1
+        if bool(norm > max_norm):
             _warned = True
             warnings.warn(
                 "torch.nn.utils.clip_grad_norm_ clipped expert slot gradients by this rank's own "

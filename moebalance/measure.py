@@ -82,10 +82,10 @@ class _StandIn:
 
     def __init__(self, hidden: int, ffn: int, dtype, device) -> None:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        self.gate_up = (torch.randn(TIMED_SLOTS, 2 * ffn, hidden, generator=gen) * hidden ** -0.5
-                        ).to(device=device, dtype=dtype)
-        self.down = (torch.randn(TIMED_SLOTS, hidden, ffn, generator=gen) * ffn ** -0.5
-                     ).to(device=device, dtype=dtype)
+        self.gate_up = (torch.randn(TIMED_SLOTS, 2 * ffn, hidden, generator=gen, device="cpu")
+                        * hidden ** -0.5).to(device=device, dtype=dtype)
+        self.down = (torch.randn(TIMED_SLOTS, hidden, ffn, generator=gen, device="cpu")
+                     * ffn ** -0.5).to(device=device, dtype=dtype)
 
     def __call__(self, x_MD: torch.Tensor, tokens_per_slot) -> torch.Tensor:
         outs = []
@@ -134,7 +134,8 @@ class _ExpertTimer:
         self.experts, self.device = experts, device
         self.split = [tokens // slots + (1 if s < tokens % slots else 0) for s in range(slots)]
         gen = torch.Generator(device="cpu").manual_seed(1)
-        self.x_MD = torch.randn(tokens, D, generator=gen).to(device=device, dtype=dtype)
+        self.x_MD = torch.randn(tokens, D, generator=gen, device="cpu").to(device=device,
+                                                                        dtype=dtype)
         self.inner = 1
 
     def warm(self, warmup: int) -> None:

@@ -151,6 +151,9 @@ class LoadTracker:
         self._routers: list[weakref.ref] = []      # the hooked router of each layer
         self._steps = 0
         self.device: torch.device | None = None
+        # Counts restored by load_state_dict before anything was recorded sit on the CPU until
+        # the first record() (or a snapshot) says where the router's ids are.
+        self._restored_on_cpu = False
         if device is not None:
             try:
                 device = torch.device(device)
@@ -226,6 +229,8 @@ class LoadTracker:
             )
         if self.device is None:
             self._allocate(topk_ids.device)
+        elif self._restored_on_cpu:
+            self._move_to(topk_ids.device)          # and the counts stay there from now on
         elif topk_ids.device != self.device:
             raise ValueError(
                 f"topk_ids is on {topk_ids.device} but the tracker counts on {self.device}; "
@@ -321,6 +326,8 @@ class LoadTracker:
             raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
         distributed = (dist.is_available() and dist.is_initialized()
                        and dist.get_world_size(group) > 1)
+        if self._restored_on_cpu and distributed:
+            self._move_to(collective_device(group))     # where the peers' counts are
         if self.device is None:
             # Nothing recorded here yet: contribute zeros where the peers' counts are.
             device = collective_device(group) if distributed else torch.device("cpu")
@@ -392,10 +399,23 @@ class LoadTracker:
             if self.device is not None:
                 self._allocate(self.device)
             return
+        self._restored_on_cpu = self.device is None
         self._allocate(self.device if self.device is not None else torch.device("cpu"))
         for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
             if getattr(self, name) is not None:
                 getattr(self, name).copy_(state[name])
+
+    def _move_to(self, device: torch.device) -> None:
+        """Move the counts (restored on the CPU, nothing recorded since) to ``device``."""
+        self._restored_on_cpu = False
+        if torch.device(device) == self.device:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.to(device))
+        self.device = self._live_LB.device
 
     # -- hooks ------------------------------------------------------------------------------------
 

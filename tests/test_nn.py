@@ -334,3 +334,15 @@ def test_non_finite_gradients_match_the_elementwise_check(dtype):
         expected = not all(bool(p.grad.isfinite().all()) for p in params if p.grad is not None)
         assert bool(non_finite(params)) == expected, trial
     assert not bool(non_finite([nn.Parameter(torch.zeros(2))]))  # no gradient yet
+
+
+def test_layer_builds_under_a_default_device():
+    # Lightning's configure_model runs under `with torch.device(root_device)`: the layer's
+    # CPU generators must draw on the CPU there (a CUDA default device refuses them as meta does).
+    placement = Placement(np.arange(8)[None], np.ones((1, 8)), np.zeros(8, dtype=np.int64), 8)
+    with torch.device("meta"):
+        moe = ExpertParallelMoE(16, 32, 8, 2, placement, 0, seed=5)
+    assert moe.experts.gate_up.device.type == "meta"
+    with torch.device("meta"):
+        unseeded = ExpertParallelMoE(16, 32, 8, 2, placement, 0)
+    assert unseeded.experts.down.device.type == "meta"

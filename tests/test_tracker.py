@@ -574,3 +574,22 @@ def test_router_returning_something_else_raises_at_forward():
     mb.attach(model)
     with pytest.raises(ValueError, match="not \\(router_logits, top_k_weights, top_k_index\\)"):
         model(torch.randn(3, 8))
+
+
+def test_counts_restored_before_any_record_follow_the_ids_device():
+    # A resumed run loads the tracker's state before the first forward (the HF Trainer's
+    # on_train_begin): the counts wait on the CPU and move to the device of the first ids
+    # recorded ("meta" stands in for a GPU here).
+    saved = mb.LoadTracker(L, E, window=4)
+    saved.record(0, torch.tensor([[0, 1], [1, 2]]))
+    saved.step()
+    resumed = mb.LoadTracker(L, E, window=4)
+    resumed.load_state_dict(saved.state_dict())
+    resumed.record(1, torch.zeros(3, K, dtype=torch.int64, device="meta"))
+    assert resumed.device == torch.device("meta") and resumed.counts().device.type == "meta"
+    on_cpu = mb.LoadTracker(L, E, window=4)
+    on_cpu.load_state_dict(saved.state_dict())
+    on_cpu.record(1, torch.tensor([[3, 3]]))
+    np.testing.assert_array_equal(on_cpu.counts()[1].numpy(), numpy_counts(np.array([3, 3]), E))
+    with pytest.raises(ValueError, match="tracker counts on"):
+        on_cpu.record(1, torch.zeros(1, K, dtype=torch.int64, device="meta"))

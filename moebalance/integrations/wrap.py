@@ -94,7 +94,9 @@ def family_arithmetic_error(name: str, experts: nn.Module) -> str | None:
                 f"compute act_fn(gate) * up on fused gate_up_proj")
     E = gate_up.shape[0]
     hidden = gate_up.shape[1] if transposed else gate_up.shape[2]
-    probe = torch.randn(E, hidden, generator=torch.Generator().manual_seed(0))
+    # device="cpu" beside the CPU generator: Lightning's configure_model runs under a default
+    # device (torch.device("cuda")), which a CPU generator refuses
+    probe = torch.randn(E, hidden, generator=torch.Generator().manual_seed(0), device="cpu")
     x_EH = probe.to(device=gate_up.device, dtype=gate_up.dtype)
     ids = torch.arange(E, device=gate_up.device)[:, None]
     weights = torch.ones(E, 1, device=gate_up.device, dtype=gate_up.dtype)

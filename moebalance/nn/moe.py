@@ -63,14 +63,16 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 
 def _uniform_(param: torch.Tensor, bound: float, gen: torch.Generator) -> None:
-    values = torch.rand(param.shape, generator=gen, dtype=torch.float64) * (2 * bound) - bound
+    # on the CPU generator's device, whatever default device is set (Lightning's configure_model)
+    values = torch.rand(param.shape, generator=gen, dtype=torch.float64, device="cpu")
+    values = values * (2 * bound) - bound
     with torch.no_grad():
         param.copy_(values.to(dtype=param.dtype, device=param.device))
 
 
 def _draw_seed() -> int:
     """A seed from torch's global generator (so layers built in turn differ)."""
-    return int(torch.randint(0, 1 << 62, (1,)).item())
+    return int(torch.randint(0, 1 << 62, (1,), device="cpu").item())
 
 
 def swiglu(x_MD: torch.Tensor, gate_up_2FD: torch.Tensor, down_DF: torch.Tensor) -> torch.Tensor:

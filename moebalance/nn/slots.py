@@ -36,7 +36,7 @@ from ..collective_errors import (
     take_backward_failure,
 )
 from ..device_index import DeviceIndex
-from ..frameworks import exclude_experts_from_ddp, mark_slot_parameters
+from ..frameworks import CLIPPED_MARK, exclude_experts_from_ddp, mark_slot_parameters
 from ..migrate.plan import plan_migration
 from ..migrate.transfer import Migrator, row_bytes
 from ..placement import Placement
@@ -549,4 +549,5 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
+        setattr(g, CLIPPED_MARK, True)     # a per-rank clip after this one need not be checked
     return norm
