@@ -12,7 +12,8 @@ and ``zero_grad``, once per optimizer step, not per micro-batch) calls ``Rebalan
 ``on_train_end`` finishes a migration in flight. The Trainer has no callback between backward
 and gradient clipping, which is why replica gradients are reduced by autograd hooks during
 backward. The Trainer's clipping is per rank, which would scale replicas of one expert by
-different factors: the callback sets ``args.max_grad_norm`` to 0 and clips by the global norm
+different factors: the callback sets ``args.max_grad_norm`` to infinity (the Trainer's clip
+still unscales fp16 gradients and clips nothing) and clips by the global norm
 (:func:`moebalance.clip_grad_norm_`) in ``on_pre_optimizer_step`` instead.
 
 Under torchrun the Trainer wraps the model in DDP (accelerate) and shards the dataset it is
@@ -44,6 +45,8 @@ Importing this module imports transformers.
 """
 
 from __future__ import annotations
+
+import math
 
 try:
     from transformers import TrainerCallback
@@ -128,9 +131,12 @@ class RebalanceTrainerCallback(TrainerCallback):
         if self.rebalancer is None or model is not self._model or saved is not None:
             self._model = model
             # The Trainer clips each rank by its own norm, which splits replicas: take the
-            # clipping over and clip by the global norm in on_pre_optimizer_step.
-            if args.max_grad_norm:
-                self.max_grad_norm, args.max_grad_norm = float(args.max_grad_norm), 0.0
+            # clipping over and clip by the global norm in on_pre_optimizer_step. Its own clip
+            # stays on at an infinite norm (it clips nothing): that call is what unscales fp16
+            # gradients before on_pre_optimizer_step in Trainers that clip only when
+            # max_grad_norm > 0.
+            if args.max_grad_norm and math.isfinite(args.max_grad_norm):
+                self.max_grad_norm, args.max_grad_norm = float(args.max_grad_norm), math.inf
             if saved is not None:
                 checkpoint.load_expert_state_dict(model, saved["experts"], optimizer)
             self.rebalancer = Rebalancer(model, self.topology, optimizer, self.every,
