@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..collective_errors import GroupError, only_gloo
+from ..collective_errors import GroupError, flag_device, only_gloo
 from ..device_index import to_device_async
 from .plan import MigrationPlan
 from .wire import (
@@ -60,7 +60,6 @@ from .wire import (
     MIGRATION_TAG_BASE,
     MIGRATION_TAG_KINDS,
     MIGRATION_TAG_LAYERS,
-    flag_device,
     group_key,
     same_everywhere,
 )
@@ -485,7 +484,7 @@ class Migration:
         mig = self.migrator
         if mig.world_size == 1:
             return [] if ok else [(0, message)]
-        failed = flag_device(mig.group, torch.tensor([0 if ok else 1], dtype=torch.int64))
+        failed = torch.tensor([0 if ok else 1], dtype=torch.int64, device=flag_device(mig.group))
         dist.all_reduce(failed, group=mig.group)
         if int(failed) == 0:
             return []                        # the usual case: one small all-reduce, no pickling

@@ -26,9 +26,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..collective_errors import backends
+from ..collective_errors import flag_device
 
-__all__ = ["TAG_SPACES", "tag_space", "same_everywhere", "flag_device", "group_key"]
+__all__ = ["TAG_SPACES", "tag_space", "same_everywhere", "group_key"]
 
 DISPATCH_TAGS = 1 << 24
 GRAD_SYNC_TAG_BASE = 1 << 24
@@ -66,17 +66,10 @@ def group_key(group) -> tuple:
     return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
 
 
-def flag_device(group, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on a device the group's backend can reduce (NCCL alone: the current GPU)."""
-    if tensor.device.type not in backends(group):
-        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
-    return tensor
-
-
 def same_everywhere(text: str, group) -> bool:
     """Whether every rank of ``group`` passed the same ``text`` (collective: min == max of a
     62-bit digest, one all-reduce of two integers)."""
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-    both = flag_device(group, torch.tensor([digest, -digest], dtype=torch.int64))
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=flag_device(group))
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     return int(both[0]) == digest and int(both[1]) == -digest
