@@ -74,7 +74,12 @@ def batch(step: int, dtype, world=WORLD, rank=None):
 def make_optimizer(model, kind: str):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    # The multi-tensor forms GPU trainers get by default (foreach) or ask for (fused): their
+    # state ("step" a tensor beside each parameter) must move with the experts like the loop's.
+    form = {"adamw-foreach": dict(foreach=True), "adamw-fused": dict(fused=True)}[kind]
+    return torch.optim.AdamW(model.parameters(), lr=0.01, **form)
 
 
 def train_step(model, optimizer, step, dtype, world=WORLD, group=None) -> float:
@@ -198,6 +203,15 @@ def rebalanced_run_matches_fixed_run_sgd_momentum_fp32():
     assert sum(r["moves"] for r in reports) > 0
     np.testing.assert_allclose(losses, fixed_losses, rtol=1e-5, atol=0)
     compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
+
+
+def rebalanced_run_matches_fixed_run_foreach_and_fused_adamw_fp32():
+    for kind in ("adamw-foreach", "adamw-fused"):
+        fixed_losses, fixed_state, _ = run(kind, torch.float32, {})
+        losses, state, reports = run(kind, torch.float32, SCHEDULE, max_bytes=1)
+        assert sum(r["moves"] for r in reports) > 0, kind
+        np.testing.assert_allclose(losses, fixed_losses, rtol=1e-5, atol=0, err_msg=kind)
+        compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
 
 
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
@@ -749,6 +763,7 @@ CASES = [
     rebalanced_run_matches_fixed_run_adamw_fp32,
     rebalanced_run_matches_fixed_run_adamw_fp64,
     rebalanced_run_matches_fixed_run_sgd_momentum_fp32,
+    rebalanced_run_matches_fixed_run_foreach_and_fused_adamw_fp32,
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,

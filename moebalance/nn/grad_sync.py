@@ -322,6 +322,11 @@ class GradientSync:
                 # Zeros take this rank's part, so its peers' messages still find their match.
                 posted = exchange.post(torch.zeros_like(param), kind, self.group)
             rows = exchange.rep_slots_on(grad.device)
+            # With no gradient before this backward (zero_grad's default), the replicated rows
+            # are overwritten with their sum when it ends; with one (accumulation) they are
+            # zeroed here and the sum added then. Both give prior + sum in the same bits, and the
+            # first saves a copy of the whole gradient per backward.
+            first = param.grad is None
 
             def add_sum():
                 total = exchange.finish(posted)
@@ -329,10 +334,13 @@ class GradientSync:
                     total = total * self.scale
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                param.grad.index_add_(0, rows, total.to(param.grad.dtype))
+                if first:
+                    param.grad.index_copy_(0, rows, total.to(param.grad.dtype))
+                else:
+                    param.grad.index_add_(0, rows, total.to(param.grad.dtype))
 
             self._pending.append(add_sum)
-            return scaled.index_fill(0, rows, 0)
+            return scaled if first else scaled.index_fill(0, rows, 0)
 
         return reduce_replicas
 
