@@ -20,6 +20,7 @@ optimizer step has passed since they were read, so that is exact).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -42,16 +43,36 @@ def _layer_prefixes(module: nn.Module) -> dict[int, str]:
             if isinstance(m, ExpertSlots)}
 
 
+# Bytes of a layer's gathered rows in flight at once on an accelerator: a whole layer's (every
+# expert of a DeepSeek-V3 layer's gate_up is ~15 GB in bf16, its Adam moments twice that in fp32)
+# would not fit on a GPU beside the model.
+GATHER_CHUNK_BYTES = 256 << 20
+
+
 def _gather_rows(rows_L: torch.Tensor, layer: ExpertSlots) -> torch.Tensor:
-    """[E, ...] by logical expert from every rank's [Ls, ...] slot rows (collective SUM)."""
-    out = rows_L.new_zeros((layer.placement.num_experts, *rows_L.shape[1:]))
-    device = rows_L.device
-    mine = first_holder_rows(layer).to(device)       # each expert from one holder only
-    out.index_copy_(0, torch.tensor(layer.local_experts, device=device).index_select(0, mine),
-                    rows_L.detach().index_select(0, mine))
-    if layer.dispatcher.world_size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=layer.dispatcher.group)
-    return out.cpu()      # every expert of the model would not fit on one GPU beside it
+    """[E, ...] on the CPU by logical expert from every rank's [Ls, ...] slot rows (collective
+    SUM, each expert from its first holder alone: exact), in chunks of experts of at most
+    ``GATHER_CHUNK_BYTES``."""
+    E, device = layer.placement.num_experts, rows_L.device
+    out = torch.zeros((E, *rows_L.shape[1:]), dtype=rows_L.dtype)
+    mine = first_holder_rows(layer)
+    experts = torch.as_tensor(layer.local_experts, dtype=torch.int64)[mine]
+    rows = rows_L.detach().index_select(0, mine.to(device))
+    if layer.dispatcher.world_size == 1:
+        return out.index_copy_(0, experts, rows.cpu())
+    row_bytes = max(1, math.prod(rows_L.shape[1:]) * rows_L.element_size())
+    step = max(1, GATHER_CHUNK_BYTES // row_bytes)
+    for start in range(0, E, step):
+        stop = min(E, start + step)
+        # On the CPU the result's own rows are reduced in place; elsewhere a chunk on the device.
+        chunk = out[start:stop] if device.type == "cpu" else rows.new_zeros(out[start:stop].shape)
+        inside = torch.nonzero((experts >= start) & (experts < stop)).squeeze(1)
+        chunk.index_copy_(0, (experts[inside] - start).to(device),
+                          rows.index_select(0, inside.to(device)))
+        dist.all_reduce(chunk, op=dist.ReduceOp.SUM, group=layer.dispatcher.group)
+        if chunk.device.type != "cpu":
+            out[start:stop].copy_(chunk)
+    return out
 
 
 def expert_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
