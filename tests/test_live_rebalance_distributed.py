@@ -215,6 +215,26 @@ def rebalanced_run_matches_fixed_run_foreach_and_fused_adamw_fp32():
         compare_states(fixed_state, state, rtol=1e-4, atol=1e-6)
 
 
+def fused_adamw_resumed_under_another_placement_steps_on_like_the_saved_one():
+    """The Trainer's default optimizer, saved by logical expert and loaded under another
+    placement: its ``step`` tensors go beside the parameters, as the fused kernel needs."""
+    dtype = torch.float32
+    model = Net(placements_for(0), dtype)
+    optimizer = make_optimizer(model, "adamw-fused")
+    for step in range(3):
+        train_step(model, optimizer, step, dtype)
+    saved = checkpoint.expert_state_dict(model, optimizer)
+    resumed = Net(placements_for(6), dtype)
+    resumed_optimizer = make_optimizer(resumed, "adamw-fused")
+    checkpoint.load_expert_state_dict(resumed, saved, resumed_optimizer)
+    for step in range(3, 6):
+        expected = train_step(model, optimizer, step, dtype)
+        assert train_step(resumed, resumed_optimizer, step, dtype) == pytest.approx(expected,
+                                                                                   rel=1e-5)
+    compare_states(checkpoint.expert_state_dict(model, optimizer),
+                   checkpoint.expert_state_dict(resumed, resumed_optimizer), rtol=1e-4, atol=1e-6)
+
+
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
     _, fixed_state, _ = run("sgd", torch.float64, {})
     _, state, _ = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
@@ -772,6 +792,7 @@ CASES = [
     rebalanced_run_matches_fixed_run_adamw_fp64,
     rebalanced_run_matches_fixed_run_sgd_momentum_fp32,
     rebalanced_run_matches_fixed_run_foreach_and_fused_adamw_fp32,
+    fused_adamw_resumed_under_another_placement_steps_on_like_the_saved_one,
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
