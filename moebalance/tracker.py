@@ -39,6 +39,9 @@ from torch import nn
 from ._check import positive_int
 from .collective_errors import Attempt, GroupValueError, agree, collective_device
 
+# The count buffers (None where the settings keep none): saved, restored and moved together.
+_COUNTS = ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE")
+
 # Router module -> the tracker attach() hooked it for (kept here: detach() clears it): a second
 # tracker on the same router would count every token twice over two trackers without a word. Weak
 # both ways: it keeps neither alive.
@@ -379,7 +382,7 @@ class LoadTracker:
         state = {"num_layers": self.num_layers, "num_experts": self.num_experts,
                  "window": self.window, "ema": self.ema, "steps": self._steps}
         if self.device is not None:
-            for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+            for name in _COUNTS:
                 value = getattr(self, name)
                 if value is not None:
                     state[name] = value.detach().cpu().clone()
@@ -401,7 +404,7 @@ class LoadTracker:
             return
         self._restored_on_cpu = self.device is None
         self._allocate(self.device if self.device is not None else torch.device("cpu"))
-        for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+        for name in _COUNTS:
             if getattr(self, name) is not None:
                 getattr(self, name).copy_(state[name])
 
@@ -411,7 +414,7 @@ class LoadTracker:
         if torch.device(device) == self.device:
             return
         with torch.inference_mode(False), torch.no_grad():
-            for name in ("_live_LB", "_closed_LE", "_invalid_L", "_ring_WLE", "_ema_LE"):
+            for name in _COUNTS:
                 value = getattr(self, name)
                 if value is not None:
                     setattr(self, name, value.to(device))

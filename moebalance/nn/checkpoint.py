@@ -178,8 +178,8 @@ def load_expert_state_dict(module: nn.Module, state: dict,
         restored = {k: _placed(v, k, p, group_of.get(id(p), {}))
                     for k, v in entry["other"].items()}
         for k, full in entry["logical"].items():
-            restored[k] = (full.index_select(0, slot_rows[id(p)].to(full.device))
-                           .to(p.device).clone())
+            # index_select makes a new tensor: moved, it is copied no further
+            restored[k] = full.index_select(0, slot_rows[id(p)].to(full.device)).to(p.device)
         if restored:
             optimizer.state[p] = restored
 
@@ -192,11 +192,11 @@ def _placed(value, key: str, param: torch.Tensor, group: dict):
         return value
     if key == "step":
         if group.get("fused") or group.get("capturable"):
-            return value.to(dtype=torch.float32, device=param.device).clone()
+            return value.to(dtype=torch.float32, device=param.device, copy=True)
         return value.clone()
     if param.is_floating_point() and value.is_floating_point():
-        return value.to(dtype=param.dtype, device=param.device).clone()
-    return value.to(device=param.device).clone()
+        return value.to(dtype=param.dtype, device=param.device, copy=True)
+    return value.to(device=param.device, copy=True)
 
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer=None) -> None:
