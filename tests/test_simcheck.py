@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from _launches import Launch
 
 from moebalance.lab.bench.simcheck import (
+    CoreShare,
     TraceRouter,
     calibration_cluster,
     load_calibration,
@@ -22,6 +24,39 @@ from moebalance.lab.bench.simcheck import (
 )
 from moebalance.lab.sim.cluster import load_cluster
 from moebalance.lab.sim.stepmodel import StepModel
+
+
+def test_core_share_holds_forward_and_backward_windows_and_needs_an_input_gradient():
+    from moebalance.nn.moe import SlotExperts
+
+    torch.manual_seed(0)
+    experts = SlotExperts(2, 32, 64)
+    share = CoreShare(0.5)
+    share.attach(experts)
+    windows = []
+    share.close = lambda: windows.append("close")
+    share.open = lambda: windows.append("open")
+    x = torch.randn(16, 32, requires_grad=True)
+    experts(x, [10, 6]).sum().backward()
+    # forward opens and closes; the output's gradient opens the backward, the input's closes it
+    assert windows == ["open", "close", "open", "close"]
+    with torch.no_grad():
+        experts(torch.randn(16, 32), [10, 6])              # no backward, no window left open
+    assert windows[4:] == ["open", "close"]
+    # an input without a gradient would leave the backward window open to the next forward
+    with pytest.raises(ValueError, match="input that requires grad"):
+        experts(torch.randn(16, 32), [10, 6])
+
+
+def test_core_share_sleeps_to_its_share_of_the_cpu_time():
+    share = CoreShare(0.25)
+    share.open()
+    spent = time.thread_time()
+    while time.thread_time() - spent < 0.02:           # 20 ms of this thread's CPU
+        pass
+    share.close()
+    # a window alone on a core lasts cpu / share: about 60 ms more beyond the 20 computed
+    assert 0.045 <= share.slept <= 0.2
 
 
 @pytest.mark.parametrize("seed", range(5))

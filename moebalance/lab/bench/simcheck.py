@@ -37,8 +37,11 @@ every rank running, and during training each rank holds to that share. After eac
 GEMM window (forward, and backward) a rank that used ``c`` seconds of CPU in ``w`` seconds of
 wall time sleeps ``c / share - w`` if that is positive (:class:`CoreShare`). A rank that shared
 its core the whole window sleeps nothing; one that ran alone waits as long as a device of the
-calibrated speed would have computed. Nothing else in the step is held back (it is balanced
-over the ranks). ``--free-sharing`` turns this off, to measure what the plain run does.
+calibrated speed would have computed. A backward window ends at the gradient of the experts'
+input, so the stack's input requires grad, as a transformer's MoE layers' inputs do: without
+it the first layer's backward ran unheld, and an imbalanced step cost a rank less than a
+device. Nothing else in the step is held back (it is balanced over the ranks).
+``--free-sharing`` turns this off, to measure what the plain run does.
 
 Legend: T steps, L layers, E experts, K top-k, G ranks, N tokens per rank, D hidden size,
 F expert hidden size, S slots.
@@ -279,6 +282,13 @@ class CoreShare:
 
         def after(module, args, out):
             self.close()
+            if out.requires_grad and not args[0].requires_grad:
+                # The backward window closes on the input's gradient: without one it would run
+                # unheld to the next forward, and a rank computing alone would outrun a device.
+                raise ValueError("CoreShare holds an expert backward from its output's gradient "
+                                 "to its input's, and this input needs no gradient: give the "
+                                 "model an input that requires grad, as a transformer's MoE "
+                                 "layers have")
             if out.requires_grad:
                 out.register_hook(lambda grad: self.open())
 
@@ -379,7 +389,9 @@ class _Trainer:
 
     def step(self, t: int) -> None:
         gen = torch.Generator().manual_seed(self.cfg["seed"] * 1_000_003 + self.rank * 10_007 + t)
-        x = torch.randn(self.cfg["tokens"], self.cfg["hidden"], generator=gen)
+        # The input needs a gradient, as a transformer's MoE layers' inputs do (and CoreShare
+        # ends each backward window at it).
+        x = torch.randn(self.cfg["tokens"], self.cfg["hidden"], generator=gen).requires_grad_()
         target = torch.randn(self.cfg["tokens"], self.cfg["hidden"], generator=gen)
         for moe in self.model.layers:
             moe.router.step = t

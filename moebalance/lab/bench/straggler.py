@@ -152,7 +152,10 @@ class _Run:
         for moe in self.model.layers:
             moe.router.step = t
         self.optimizer.zero_grad()
-        loss = (self.model(self.x_TND[t]) - self.y_TND[t]).pow(2).mean()
+        # the input needs a gradient, as a transformer's MoE layers' inputs do (and CoreShare
+        # ends each backward window at it)
+        x_ND = self.x_TND[t].detach().requires_grad_()
+        loss = (self.model(x_ND) - self.y_TND[t]).pow(2).mean()
         loss.backward()
         self.optimizer.step()
         if self.rebalancer is not None:
