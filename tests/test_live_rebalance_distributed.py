@@ -8,6 +8,7 @@ weights and optimizer state of a run that never moves.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import tempfile
@@ -233,6 +234,45 @@ def fused_adamw_resumed_under_another_placement_steps_on_like_the_saved_one():
                                                                                    rel=1e-5)
     compare_states(checkpoint.expert_state_dict(model, optimizer),
                    checkpoint.expert_state_dict(resumed, resumed_optimizer), rtol=1e-4, atol=1e-6)
+
+
+def ema_and_reference_copies_follow_the_live_migrations_fp64():
+    """An EMA of the model (``AveragedModel``, a deepcopy) and a frozen deepcopy, made before
+    four live re-plans: the EMA equals the EMA of each logical expert, the frozen copy keeps its
+    experts and answers as before."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    dtype = torch.float64
+    model = Net(placements_for(0), dtype)
+    optimizer = make_optimizer(model, "sgd")
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    frozen = copy.deepcopy(model)
+    x0, _ = batch(0, dtype)
+    with torch.no_grad():
+        frozen_out = frozen(x0)
+    frozen_state = checkpoint.expert_state_dict(frozen)["model"]
+    expected = None
+    for step in range(12):
+        train_step(model, optimizer, step, dtype)
+        ema.update_parameters(model)
+        now = checkpoint.expert_state_dict(model)["model"]
+        expected = now if expected is None else {k: 0.5 * expected[k] + 0.5 * now[k] for k in now}
+        if step in SCHEDULE:
+            apply_placement(model, SCHEDULE[step], optimizer, blocking=False)
+    for layer in moe_layers(model):
+        if layer.pending_migration is not None:
+            layer.pending_migration.wait()
+    # both copies moved with the layers (the frozen one's rows keep their experts)
+    for twin in (ema.module, frozen):
+        assert (current_placement(twin).phy2log == current_placement(model).phy2log).all()
+    assert not (current_placement(model).phy2log == placements_for(0).phy2log).all()
+    got = checkpoint.expert_state_dict(ema.module)["model"]
+    for key, value in expected.items():
+        assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=lambda m: f"{key}: {m}")
+    for key, value in checkpoint.expert_state_dict(frozen)["model"].items():
+        assert_close(value, frozen_state[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    with torch.no_grad():
+        assert_close(frozen(x0), frozen_out, rtol=1e-12, atol=1e-12)
 
 
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
@@ -794,6 +834,7 @@ CASES = [
     rebalanced_run_matches_fixed_run_foreach_and_fused_adamw_fp32,
     fused_adamw_resumed_under_another_placement_steps_on_like_the_saved_one,
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
+    ema_and_reference_copies_follow_the_live_migrations_fp64,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
     shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there,

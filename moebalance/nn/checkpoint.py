@@ -56,7 +56,8 @@ def _gather_rows(rows_L: torch.Tensor, layer: ExpertSlots) -> torch.Tensor:
     E, device = layer.placement.num_experts, rows_L.device
     out = torch.zeros((E, *rows_L.shape[1:]), dtype=rows_L.dtype)
     mine = first_holder_rows(layer)
-    experts = torch.as_tensor(layer.local_experts, dtype=torch.int64)[mine]
+    # a copy: a planned placement's arrays are read-only, and torch warns on viewing them
+    experts = torch.tensor(layer.local_experts, dtype=torch.int64)[mine]
     rows = rows_L.detach().index_select(0, mine.to(device))
     if layer.dispatcher.world_size == 1:
         return out.index_copy_(0, experts, rows.cpu())

@@ -19,6 +19,7 @@ Legend: L layers of the placement, S global slots, Ls slots on this rank, E logi
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from abc import abstractmethod
@@ -46,6 +47,12 @@ __all__ = ["ExpertSlots", "GRAD_SYNC", "moe_layers", "current_placement", "apply
            "reduce_replica_gradients", "clip_grad_norm_", "set_device_speeds"]
 
 GRAD_SYNC = ("backward", "manual")
+
+# Deep copies of each layer, in the order they were made (the same on every rank): an EMA's
+# ``torch.optim.swa_utils.AveragedModel``, a frozen reference model. A copy holds the rows of the
+# placement it was copied under; averaging it with the layer pairs slot rows, not experts, so a
+# copy follows the layer's migrations (its weights only: :meth:`ExpertSlots._follow_copies`).
+_COPIES: "weakref.WeakKeyDictionary[ExpertSlots, list]" = weakref.WeakKeyDictionary()
 
 
 def _read_only(name: str) -> property:
@@ -166,6 +173,47 @@ class ExpertSlots(nn.Module):
         self.__dict__["_local_experts"] = experts
         self._exchange = HolderExchange(placement.phy2log[layer], placement.slot_device,
                                         self.dispatcher.rank, tag=int(layer))
+
+    def __deepcopy__(self, memo):
+        """A copy that follows this layer's placement changes (see ``_COPIES``); a migration in
+        flight stays the layer's (the copy holds the rows as they are, and follows the commit)."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        memo[id(self.__dict__.get("_pending"))] = None
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        _COPIES.setdefault(self, []).append(weakref.ref(twin))
+        return twin
+
+    def _commit_placement(self, target: Placement, layer: int, migrator: Migrator) -> None:
+        """Adopt ``target`` once this layer's rows are in place, and move its copies' rows the
+        same way (collective: every rank's layer commits at the same point)."""
+        old = self.placement
+        self._set_placement(target, layer)
+        self._follow_copies(old, target, layer, migrator)
+
+    def _follow_copies(self, old: Placement, target: Placement, layer: int,
+                       migrator: Migrator) -> None:
+        """Move the slot rows of this layer's live copies that still hold ``old``'s row (one
+        blocking, weights-only migration each, before the layer's forward) and give them
+        ``target``. The ranks first agree on how many copies follow."""
+        alive = [ref() for ref in _COPIES.get(self, [])]
+        _COPIES[self] = [weakref.ref(c) for c in alive if c is not None]
+        copies = [c for c in alive if c is not None and c.layer == layer
+                  and np.array_equal(c.placement.slot_device, old.slot_device)
+                  and np.array_equal(c.placement.phy2log[layer], old.phy2log[layer])]
+        agree(Attempt(f"moving the copies of expert-parallel layer {layer} (an EMA's "
+                      f"AveragedModel or another deepcopy) with the layer: every rank must hold "
+                      f"the same copies"), self.dispatcher.group, same={"copies": len(copies)})
+        if not copies:
+            return
+
+        def row(p: Placement) -> Placement:
+            return Placement(p.phy2log[[layer]], p.share[[layer]], p.slot_device, p.num_experts)
+
+        plan = plan_migration(row(old), row(target))
+        for twin in copies:
+            migrator.start(plan, {0: twin.slot_parameters()}, None).wait()
+            twin._set_placement(target, layer)
 
     def apply_placement(self, new: Placement, optimizer=None, **options):
         """Move this layer to ``new`` (weights and optimizer state); see :func:`apply_placement`."""
@@ -464,8 +512,8 @@ def apply_placement(module: nn.Module, new: Placement, optimizer=None, *, topolo
     for layer in layers:
         if layer.layer in plan.changed_layers:
             layer._pending = migration
-            migration.on_commit(layer.layer, lambda index, layer=layer: layer._set_placement(
-                plan.target, index))
+            migration.on_commit(layer.layer, lambda index, layer=layer: layer._commit_placement(
+                plan.target, index, migrator))
     if blocking:
         try:
             migration.wait()
