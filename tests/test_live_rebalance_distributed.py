@@ -275,6 +275,24 @@ def ema_and_reference_copies_follow_the_live_migrations_fp64():
         assert_close(frozen(x0), frozen_out, rtol=1e-12, atol=1e-12)
 
 
+def a_copy_on_one_rank_only_is_refused_on_every_rank_at_the_commit():
+    dtype = torch.float64
+    model = Net(placements_for(0), dtype)
+    optimizer = make_optimizer(model, "sgd")
+    kept = copy.deepcopy(model) if dist.get_rank() == 0 else None
+    train_step(model, optimizer, 0, dtype)
+    apply_placement(model, SCHEDULE[2], optimizer, blocking=False)
+    x, _ = batch(1, dtype)
+    for _ in moe_layers(model):     # each layer refuses at its commit, the first forward after
+        with pytest.raises(mb.GroupError, match="make them on every rank"):
+            model(x)
+    # the layers went on to the new placement (the copy stays behind) and train on
+    train_step(model, optimizer, 1, dtype)
+    assert not (current_placement(model).phy2log == placements_for(0).phy2log).all()
+    assert_replicas_identical(model)
+    del kept
+
+
 def moved_expert_optimizer_state_equals_unmoved_state_fp64():
     _, fixed_state, _ = run("sgd", torch.float64, {})
     _, state, _ = run("sgd", torch.float64, SCHEDULE, max_bytes=1)
@@ -835,6 +853,7 @@ CASES = [
     fused_adamw_resumed_under_another_placement_steps_on_like_the_saved_one,
     moved_expert_optimizer_state_equals_unmoved_state_fp64,
     ema_and_reference_copies_follow_the_live_migrations_fp64,
+    a_copy_on_one_rank_only_is_refused_on_every_rank_at_the_commit,
     per_rank_state_dict_resumes_its_placement,
     checkpoint_by_logical_expert_loads_into_other_placement_world_size_and_dense,
     shrink_to_three_ranks_from_checkpoint_matches_a_run_started_there,

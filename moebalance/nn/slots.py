@@ -201,9 +201,9 @@ class ExpertSlots(nn.Module):
         copies = [c for c in alive if c is not None and c.layer == layer
                   and np.array_equal(c.placement.slot_device, old.slot_device)
                   and np.array_equal(c.placement.phy2log[layer], old.phy2log[layer])]
-        agree(Attempt(f"moving the copies of expert-parallel layer {layer} (an EMA's "
-                      f"AveragedModel or another deepcopy) with the layer: every rank must hold "
-                      f"the same copies"), self.dispatcher.group, same={"copies": len(copies)})
+        agree(Attempt(f"moving the deep copies of expert-parallel layer {layer} (an EMA's "
+                      f"AveragedModel, a reference model) with it: make them on every rank"),
+              self.dispatcher.group, same={"copies": len(copies)})
         if not copies:
             return
 
