@@ -90,6 +90,55 @@ def lightning_callback_drives_a_migration():
     check_migrated(callback.rebalancer, module)
 
 
+def lightning_weight_averaging_follows_the_migrations():
+    """Lightning's EMA (``WeightAveraging``: an AveragedModel swapped in for each validation and
+    copied into the model when training ends), listed before the callback, with validation
+    right after each re-plan and training ending on one: the model ends as the same run's
+    without re-plans (fp64)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    from moebalance.integrations.lightning import RebalanceCallback
+    from moebalance.nn.checkpoint import expert_state_dict
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = small_model().double()
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self.lm(batch[:, :-1]), batch[:, 1:], WORLD * BATCH * SEQ)
+
+        def validation_step(self, batch, batch_idx):
+            self.lm(batch[:, :-1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def fit(every):
+        module = Module()
+        callback = RebalanceCallback(TOPOLOGY, every=every) if every else None
+        averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.5), use_buffers=False)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2 * EVERY, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, val_check_interval=EVERY,
+                            limit_val_batches=1, num_sanity_val_steps=0,
+                            callbacks=[averaging] + [callback] * bool(every))
+        loader = torch.utils.data.DataLoader(_windows(dist.get_rank()), batch_size=BATCH)
+        trainer.fit(module, loader, loader)
+        return callback, module
+
+    callback, module = fit(EVERY)
+    check_migrated(callback.rebalancer, module)
+    got = expert_state_dict(module.lm)["model"]
+    _, fixed = fit(None)
+    for key, value in expert_state_dict(fixed.lm)["model"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(got[key], value, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f"{key}: {m}")
+
+
 def hf_trainer_callback_drives_a_migration():
     import transformers
 
@@ -343,6 +392,7 @@ CASES = [plain_loop_drives_a_migration, plain_loop_replans_when_moves_pay,
          compiled_model_trains_as_the_eager_one]
 if importlib.util.find_spec("lightning") is not None:
     CASES.append(lightning_callback_drives_a_migration)
+    CASES.append(lightning_weight_averaging_follows_the_migrations)
 if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate"):
     CASES += [hf_trainer_callback_drives_a_migration, hf_trainer_resumes_from_its_own_checkpoint,
               hf_trainer_loads_the_best_checkpoints_experts_at_end]

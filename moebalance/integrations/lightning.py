@@ -131,9 +131,18 @@ class RebalanceCallback(Callback):
                 pl_module.log("moebalance/migration_s", float(migrating["migration_s"]),
                               on_step=True, on_epoch=False, batch_size=1)
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def _finish(self, *_) -> None:
         if self.rebalancer is not None:
             self.rebalancer.finish()
+
+    # A migration in flight writes the rows it staged when the layer next runs a forward.
+    # Lightning's WeightAveraging swaps the model's values with its average's for each
+    # validation and copies the average in when training ends: a commit after either would
+    # put the staged rows over them. So a migration commits before validation and at the
+    # epoch's end (before any callback's on_train_end), and the average's copy follows it.
+    on_validation_start = _finish
+    on_train_epoch_end = _finish
+    on_train_end = _finish
 
     def on_save_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
         if self.rebalancer is not None:
