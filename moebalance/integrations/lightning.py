@@ -145,8 +145,7 @@ class RebalanceCallback(Callback):
     on_train_end = _finish
 
     def on_save_checkpoint(self, trainer, pl_module, ckpt: dict) -> None:
-        if self.rebalancer is not None:
-            self.rebalancer.finish()
+        self._finish()
         if self.save_experts:
             optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
             ckpt["moebalance"] = checkpoint.expert_state_dict(pl_module, optimizer)
